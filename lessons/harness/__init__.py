@@ -1,0 +1,11 @@
+"""Shared machinery for the course's tests (not lesson material).
+
+- ``harness.exercises``: which file is graded (your exercise or the reference solution) and
+  loading it by path.
+- ``harness.grading``: the pytest plugin: ``--solutions``, "not attempted yet" skips, task markers,
+  the progress summary.
+- ``harness.hardware``: what this machine has, and skip reasons that say what a check needs.
+- ``harness.compare``: tensor comparison whose failure message a learner can act on.
+- ``harness.ranks``: run a function on N ranks through a reusable pool of worker processes.
+- ``harness.launch``: run a lesson script under the real ``torchrun`` and read its result.
+"""

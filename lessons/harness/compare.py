@@ -1,0 +1,86 @@
+"""Tensor comparison whose failure says where, how much, and what was expected.
+
+Tolerances are ``torch.testing.assert_close``'s fp32 defaults (rtol 1.3e-6, atol 1e-5) unless a
+test passes looser ones and says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+
+def _where(what: str, rank: int | None) -> str:
+    return f"rank {rank}: {what}" if rank is not None else what
+
+
+def assert_close(actual, expected, what: str, rank: int | None = None, **tolerances) -> None:
+    """Assert two tensors (or numbers) are close; the message names ``what`` and ``rank``."""
+    where = _where(what, rank)
+    if not isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
+        raise AssertionError(
+            f"{where}: expected a tensor of shape {tuple(expected.shape)}, got "
+            f"{type(actual).__name__} {actual!r:.80}"
+        )
+    actual_t = torch.as_tensor(actual)
+    expected_t = torch.as_tensor(expected)
+    if actual_t.shape != expected_t.shape:
+        raise AssertionError(
+            f"{where}: shape {tuple(actual_t.shape)}, expected {tuple(expected_t.shape)}"
+        )
+    if actual_t.dtype != expected_t.dtype:
+        raise AssertionError(f"{where}: dtype {actual_t.dtype}, expected {expected_t.dtype}")
+    a = actual_t.detach().cpu()
+    e = expected_t.detach().cpu()
+    try:
+        torch.testing.assert_close(a, e, **tolerances)
+    except AssertionError:
+        diff = (a.double() - e.double()).abs()
+        finite = torch.nan_to_num(diff, nan=float("inf"))
+        flat = int(finite.argmax()) if finite.numel() else 0
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape))
+        got, want = a.reshape(-1)[flat].item(), e.reshape(-1)[flat].item()
+        mismatched = int((~torch.isclose(a.double(), e.double(), **_isclose_args(tolerances)))
+                         .sum())
+        raise AssertionError(
+            f"{where}: {mismatched} of {a.numel()} values differ; largest difference "
+            f"{diff.reshape(-1)[flat].item():.3g} at index {list(index)}: got {got:.6g}, "
+            f"expected {want:.6g}"
+        ) from None
+
+
+def _isclose_args(tolerances: dict) -> dict:
+    return {"rtol": tolerances.get("rtol", 1.3e-6), "atol": tolerances.get("atol", 1e-5)}
+
+
+def named_tensors(source) -> dict[str, torch.Tensor]:
+    """Parameters of a module, or a mapping / iterable of (name, tensor) pairs, as a dict."""
+    if isinstance(source, torch.nn.Module):
+        return dict(source.named_parameters())
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, Iterable):
+        return dict(source)
+    raise TypeError(f"cannot read named tensors from {type(source).__name__}")
+
+
+def assert_parameters_close(actual, expected, what: str = "parameter", rank: int | None = None,
+                            grads: bool = False, **tolerances) -> None:
+    """Compare every named parameter (or its ``.grad`` with ``grads=True``) of two models."""
+    got, want = named_tensors(actual), named_tensors(expected)
+    if set(got) != set(want):
+        raise AssertionError(
+            f"{_where(what, rank)}: names differ: missing {sorted(set(want) - set(got))}, "
+            f"unexpected {sorted(set(got) - set(want))}"
+        )
+    kind = "gradient of" if grads else what
+    for name in want:
+        a, e = got[name], want[name]
+        if grads:
+            a, e = a.grad, e.grad
+            if a is None:
+                raise AssertionError(
+                    f"{_where(f'{kind} {name!r}', rank)}: is None (no backward reached it)"
+                )
+        assert_close(a, e, f"{kind} {name!r}", rank, **tolerances)

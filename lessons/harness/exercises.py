@@ -1,0 +1,85 @@
+"""Which file is graded, and how it is loaded.
+
+Tests never ``import exercises``: two lessons may both have an ``exercises.py``, and the graded
+copy is either the learner's (``lessons/NN_x/``) or the reference answer (``solutions/NN_x/``).
+The choice travels in the environment variable ``COURSE_SOLUTIONS`` so that it reaches every
+process a test starts: rank workers, ``torchrun`` children, plain subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LESSONS_DIR = REPO_ROOT / "lessons"
+SOLUTIONS_DIR = REPO_ROOT / "solutions"
+
+SOLUTIONS_ENV = "COURSE_SOLUTIONS"
+STRICT_ENV = "COURSE_STRICT"
+
+# A stub raises NotImplementedError("task3_2: what to do"); the id is how tests are selected.
+TASK_ID = re.compile(r"\b(task\d+_\d+)\b")
+
+_loaded: dict[Path, ModuleType] = {}
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def solutions_mode() -> bool:
+    """True when the reference solutions are graded instead of the learner's files."""
+    return _flag(SOLUTIONS_ENV)
+
+
+def strict_mode() -> bool:
+    """True when an untouched stub must fail instead of being skipped as not attempted."""
+    return _flag(STRICT_ENV)
+
+
+def exercise_path(lesson: str, name: str = "exercises") -> Path:
+    """The file that is graded for ``lesson``: ``lessons/<lesson>/<name>.py`` or its solution."""
+    root = SOLUTIONS_DIR if solutions_mode() else LESSONS_DIR
+    path = root / lesson / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"no exercise file {path.relative_to(REPO_ROOT)}")
+    return path
+
+
+def load_path(path: str | os.PathLike) -> ModuleType:
+    """Import a Python file by path, once per process, under a name unique to that path."""
+    path = Path(path).resolve()
+    if path in _loaded:
+        return _loaded[path]
+    rel = path.relative_to(REPO_ROOT).with_suffix("")
+    module_name = "course_" + "_".join(rel.parts)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Registered before running so that pickling (by reference) and dataclasses work.
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    _loaded[path] = module
+    return module
+
+
+def load_exercise(lesson: str, name: str = "exercises") -> ModuleType:
+    """The graded module of ``lesson``: the learner's file, or the solution in solutions mode."""
+    return load_path(exercise_path(lesson, name))
+
+
+def load_lesson_module(lesson: str, name: str) -> ModuleType:
+    """A lesson's own script (``train.py`` ...), which is the same in both modes."""
+    return load_path(LESSONS_DIR / lesson / f"{name}.py")
+
+
+def task_of(exc: BaseException) -> str | None:
+    """The task id of an untouched stub's NotImplementedError, else None."""
+    if not isinstance(exc, NotImplementedError):
+        return None
+    match = TASK_ID.search(str(exc))
+    return match.group(1) if match else None

@@ -1,0 +1,140 @@
+"""The pytest plugin that turns the lessons' tests into a grader.
+
+- ``--solutions`` (or ``COURSE_SOLUTIONS=1``) grades ``solutions/`` instead of your files; the
+  choice is put in the environment so every rank process and ``torchrun`` child sees it.
+- A test that reaches an untouched stub (``NotImplementedError("taskN_M: ...")``), in this process
+  or inside a rank, is reported as skipped, "not attempted yet". ``COURSE_STRICT=1`` makes it fail.
+- Tests carry a task marker (``@pytest.mark.task3_2``) so one task can be run with ``-m task3_2``.
+- The run ends with a per-lesson progress table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+
+import pytest
+
+from harness.exercises import SOLUTIONS_ENV, solutions_mode, strict_mode, task_of
+
+LESSON_DIR = re.compile(r"(?:^|/)lessons/(\d\d_[^/]+)/")
+TASK_MARK = re.compile(r"^task\d+_\d+$")
+HARDWARE_SKIP_PREFIX = "needs "  # harness.hardware words every hardware skip this way
+
+# Lessons are numbered 00..19 with up to 9 graded tasks each; each id is a registered marker.
+MAX_LESSONS, MAX_TASKS = 20, 9
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("course")
+    group.addoption(
+        "--solutions",
+        action="store_true",
+        help="grade the reference answers in solutions/ instead of your files in lessons/",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--solutions", default=False):
+        os.environ[SOLUTIONS_ENV] = "1"
+    for lesson in range(MAX_LESSONS):
+        for task in range(1, MAX_TASKS + 1):
+            config.addinivalue_line(
+                "markers", f"task{lesson}_{task}: graded task {task} of lesson {lesson:02d}"
+            )
+    config.pluginmanager.register(ProgressReport(), "course-progress")
+
+
+def pytest_report_header(config):
+    graded = "solutions/ (reference answers)" if solutions_mode() else "lessons/ (your files)"
+    strict = ", strict: untouched stubs fail" if strict_mode() else ""
+    return f"course: grading {graded}{strict}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.excinfo is None or report.when not in ("setup", "call"):
+        return report
+    task = task_of(call.excinfo.value)
+    if task is None:
+        return report
+    message = str(call.excinfo.value).strip()
+    if solutions_mode():
+        report.longrepr = f"the reference solution is unfinished: {message}"
+    elif strict_mode():
+        report.longrepr = f"not attempted yet (COURSE_STRICT=1 counts this as a failure): {message}"
+    else:
+        report.outcome = "skipped"
+        path, lineno, _ = item.location
+        report.longrepr = (str(item.path), lineno + 1, f"not attempted yet: {message}")
+    return report
+
+
+def _outcome(report) -> str:
+    if report.passed:
+        return "passed"
+    if report.failed:
+        return "failed"
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return "not attempted" if "not attempted yet" in reason else "skipped"
+
+
+def _task_status(outcomes: set[str]) -> str:
+    for status in ("failed", "not attempted", "passed"):
+        if status in outcomes:
+            return status
+    return "skipped"
+
+
+def _task_order(task: str):
+    lesson, number = task.removeprefix("task").split("_")
+    return int(lesson), int(number)
+
+
+class ProgressReport:
+    """Collects each lesson test's outcome and prints the per-lesson table at the end."""
+
+    def __init__(self):
+        # lesson -> task id -> outcomes of its tests; lesson -> counts for checks of no task
+        self.tasks: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self.checks: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "call" and not (report.failed or report.skipped):
+            return
+        match = LESSON_DIR.search(report.nodeid.replace(os.sep, "/"))
+        if match is None:
+            return
+        lesson = match.group(1)
+        tasks = [kw for kw in report.keywords if TASK_MARK.match(kw)]
+        outcome = _outcome(report)
+        for task in tasks:
+            self.tasks[lesson][task].add(outcome)
+        if not tasks:
+            self.checks[lesson][outcome] += 1
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not (self.tasks or self.checks):
+            return
+        write = terminalreporter.write_line
+        graded = "solutions/" if solutions_mode() else "your files in lessons/"
+        terminalreporter.section(f"course progress (grading {graded})", sep="=")
+        for lesson in sorted(set(self.tasks) | set(self.checks)):
+            by_status: dict[str, list[str]] = defaultdict(list)
+            for task in sorted(self.tasks[lesson], key=_task_order):
+                by_status[_task_status(self.tasks[lesson][task])].append(task)
+            total = sum(len(v) for v in by_status.values())
+            parts = [f"{len(by_status['passed'])}/{total} tasks passed"]
+            for status, label in (("failed", "failing"), ("not attempted", "not attempted"),
+                                  ("skipped", "skipped for hardware")):
+                if by_status[status]:
+                    parts.append(f"{label}: {', '.join(by_status[status])}")
+            if self.checks[lesson]:
+                counts = ", ".join(f"{n} {k}" for k, n in sorted(self.checks[lesson].items()))
+                parts.append(f"lesson checks: {counts}")
+            write(f"{lesson:<20} " + "; ".join(parts))
+        if any("not attempted" in outcomes
+               for lesson in self.tasks.values() for outcomes in lesson.values()):
+            write("Work on one task and re-grade it:  pytest lessons/NN_name -m taskN_M")

@@ -1,0 +1,101 @@
+"""The grading plugin, run on a small throw-away lesson: skips, strict mode, selection, summary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from harness.exercises import REPO_ROOT
+
+DEMO_TEST = '''
+import pytest
+from harness.ranks import run_on_ranks
+
+def stub(ctx=None):
+    raise NotImplementedError("task9_1: write the thing")
+
+def rank_stub(ctx):
+    raise NotImplementedError("task9_4: write the rank thing")
+
+@pytest.mark.task9_1
+def test_untouched_stub():
+    stub()
+
+@pytest.mark.task9_2
+def test_done():
+    assert 1 + 1 == 2
+
+@pytest.mark.task9_3
+def test_wrong():
+    assert 1 + 1 == 3, "rank 0: parameter 'w' differs by 1"
+
+@pytest.mark.task9_4
+def test_stub_inside_a_rank():
+    run_on_ranks(rank_stub, world_size=2)
+
+def test_a_lesson_claim():
+    assert True
+'''
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    lesson = root / "lessons" / "99_demo"
+    lesson.mkdir(parents=True)
+    (lesson / "test_99_demo.py").write_text(DEMO_TEST)
+    (root / "pytest.ini").write_text(textwrap.dedent("""
+        [pytest]
+        addopts = --import-mode=importlib --strict-markers -p harness.grading -p no:cacheprovider
+    """))
+    return root
+
+
+def run_pytest(root, *args, **env):
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lessons"), **env}
+    for name in ("COURSE_STRICT", "COURSE_SOLUTIONS"):
+        if name not in env:
+            environment.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-rs", *args], cwd=root, env=environment,
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_learner_mode_skips_untouched_stubs_and_prints_progress(demo):
+    run = run_pytest(demo)
+    out = run.stdout
+    assert run.returncode == 1, out  # task9_3 is wrong
+    assert "2 passed" in out and "1 failed" in out and "2 skipped" in out, out
+    assert "not attempted yet: task9_1: write the thing" in out
+    assert "not attempted yet: task9_4: write the rank thing (reached on rank 0)" in out
+    assert "rank 0: parameter 'w' differs by 1" in out
+    assert "course progress (grading your files in lessons/)" in out
+    line = next(line for line in out.splitlines() if line.startswith("99_demo"))
+    assert "1/4 tasks passed" in line
+    assert "failing: task9_3" in line
+    assert "not attempted: task9_1, task9_4" in line
+    assert "lesson checks: 1 passed" in line
+
+
+def test_strict_mode_fails_untouched_stubs(demo):
+    run = run_pytest(demo, COURSE_STRICT="1")
+    assert "3 failed" in run.stdout, run.stdout
+    assert "COURSE_STRICT=1 counts this as a failure" in run.stdout
+
+
+def test_one_task_can_be_selected(demo):
+    run = run_pytest(demo, "-m", "task9_2")
+    assert run.returncode == 0, run.stdout
+    assert "1 passed, 4 deselected" in run.stdout
+
+
+def test_solutions_flag_reaches_the_environment(demo):
+    run = run_pytest(demo, "--solutions", "-m", "task9_1")
+    assert "grading solutions/ (reference answers)" in run.stdout
+    # In solutions mode an unfinished stub is a failure, never a skip.
+    assert "1 failed" in run.stdout and "the reference solution is unfinished" in run.stdout

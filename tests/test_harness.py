@@ -1,0 +1,245 @@
+"""The multi-rank harness: results, errors, timeouts, clean-up, and the torchrun runner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import ranks
+from harness.exercises import REPO_ROOT, solutions_mode
+from harness.launch import LaunchError, run_script
+from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
+
+PROBE = Path(__file__).with_name("probes") / "launch_probe.py"
+
+
+# Functions that run on the ranks live at module level: workers find them by file and name.
+
+
+def sum_of_ranks(ctx, scale):
+    t = torch.tensor([float(ctx.rank + 1)], device=ctx.device) * scale
+    dist.all_reduce(t)
+    return {"rank": ctx.rank, "world": ctx.world_size, "sum": t, "pid": os.getpid()}
+
+
+def fail_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("deliberate failure")
+    return ctx.rank
+
+
+def stub_on_every_rank(ctx):
+    raise NotImplementedError("task9_1: fill in the hand-written all-reduce")
+
+
+def collective_on_rank_zero_only(ctx):
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins: a hang
+    return ctx.rank
+
+
+def sleep_forever(ctx):
+    time.sleep(3600)
+
+
+def exit_on_rank_one(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    return ctx.rank
+
+
+def graded_mode(ctx):
+    return solutions_mode(), os.environ.get("COURSE_SOLUTIONS")
+
+
+def _children() -> set[int]:
+    """PIDs of this process's live children: zombies, and multiprocessing's resource tracker
+    (started once by the first spawn, lives as long as this process), excluded."""
+    mine = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == os.getpid():
+            if b"resource_tracker" not in (entry / "cmdline").read_bytes():
+                mine.add(int(entry.name))
+    return mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_results_come_back_in_rank_order(world_size):
+    results = run_on_ranks(sum_of_ranks, 2.0, world_size=world_size)
+    expected = 2.0 * world_size * (world_size + 1) / 2
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert all(r["world"] == world_size for r in results)
+    assert all(r["sum"].item() == expected for r in results)
+
+
+def test_pool_is_reused_between_calls():
+    first = [r["pid"] for r in run_on_ranks(sum_of_ranks, 1.0)]
+    second = [r["pid"] for r in run_on_ranks(sum_of_ranks, 1.0)]
+    assert first == second
+
+
+def test_rank_error_names_rank_and_shows_its_traceback_then_pool_is_rebuilt():
+    before = [r["pid"] for r in run_on_ranks(sum_of_ranks, 1.0)]
+    with pytest.raises(RankError) as info:
+        run_on_ranks(fail_on_rank_one)
+    message = str(info.value)
+    assert "rank 1 raised ValueError" in message
+    assert "deliberate failure" in message
+    assert "--- traceback on rank 1 ---" in message and "fail_on_rank_one" in message
+    assert not any(_alive(pid) for pid in before), "failed pool's workers must be stopped"
+    after = [r["pid"] for r in run_on_ranks(sum_of_ranks, 1.0)]
+    assert set(after).isdisjoint(before)
+
+
+def test_stub_inside_a_rank_is_reported_as_not_attempted():
+    with pytest.raises(NotAttemptedOnRank, match=r"task9_1: .*\(reached on rank 0\)"):
+        run_on_ranks(stub_on_every_rank)
+
+
+def test_collective_hang_becomes_an_error_within_the_call_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"ranks \[0\] did not finish"):
+        run_on_ranks(collective_on_rank_zero_only, timeout=3)
+    assert time.monotonic() - start < 10
+    assert len(run_on_ranks(sum_of_ranks, 1.0)) == 2  # the rebuilt pool works
+
+
+def test_timeout_kills_the_workers():
+    pool = RankPool(2)
+    try:
+        pids = [r["pid"] for r in pool.run(sum_of_ranks, 1.0)]
+        with pytest.raises(RankTimeout):
+            pool.run(sleep_forever, timeout=1)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        pool.close()
+
+
+def test_a_dying_rank_is_reported():
+    with pytest.raises(RankError, match=r"rank 1 raised WorkerDied.*exit code 3"):
+        run_on_ranks(exit_on_rank_one)
+
+
+def test_spawned_workers_find_the_function_by_path():
+    # CUDA pools spawn; this proves the spawn path on CPU.
+    pool = RankPool(2, start_method="spawn")
+    try:
+        results = pool.run(sum_of_ranks, 3.0)
+        assert [r["sum"].item() for r in results] == [9.0, 9.0]
+    finally:
+        pool.close()
+
+
+def test_graded_mode_reaches_the_ranks():
+    for mode, env in run_on_ranks(graded_mode):
+        assert mode == solutions_mode()
+        assert env == os.environ.get("COURSE_SOLUTIONS")
+
+
+def test_close_all_leaves_no_child_process():
+    run_on_ranks(sum_of_ranks, 1.0, world_size=3)
+    ranks.close_all_pools()
+    assert _children() == set()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigint"])
+def test_no_orphans_when_the_parent_dies_or_is_interrupted(tmp_path, how):
+    """A parent killed outright, or Ctrl-C'd mid-call, leaves no rank process behind."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(REPO_ROOT / "lessons")!r})
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from harness.ranks import RankPool
+        import test_harness as t
+        pool = RankPool(2)
+        pids = [r["pid"] for r in pool.run(t.sum_of_ranks, 1.0)]
+        print(" ".join(map(str, pids)), flush=True)
+        pool.run(t.sleep_forever, timeout=600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, "the parent script did not start its pool"
+        time.sleep(0.5)  # let the parent block in the call
+        sig = signal.SIGKILL if how == "sigkill" else signal.SIGINT
+        # Ctrl-C reaches the whole foreground process group; SIGKILL only the parent.
+        if how == "sigint":
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        proc.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), f"orphaned rank processes after {how}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_group_params_cover_the_hardware_matrix():
+    ids = [p.id for p in ranks.group_params()]
+    assert ids[:3] == ["gloo-cpu-2", "gloo-cpu-3", "gloo-cuda-2"]
+    assert "nccl-cuda-1" in ids and "nccl-cuda-2" in ids
+    nccl_two = next(p for p in ranks.group_params() if p.id == "nccl-cuda-2")
+    if torch.cuda.device_count() < 2:
+        reasons = [m.kwargs.get("reason", "") for m in nccl_two.marks if m.name == "skipif"]
+        assert reasons and reasons[0].startswith("needs 2 CUDA GPUs")
+
+
+# ------------------------------------------------------------------------- the torchrun runner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher,nproc", [("python", 1), ("torchrun", 2), ("launch", 2)])
+def test_runner_returns_rank_zero_result_and_tagged_output(launcher, nproc):
+    run = run_script(PROBE, launcher=launcher, nproc=nproc, env={"COURSE_SOLUTIONS": "1"})
+    assert run.data["world_size"] == nproc
+    assert run.data["solutions_mode"] is True, "the graded mode must reach launched ranks"
+    if launcher == "launch":
+        assert run.data["local_rank_arg"] == 0  # launch passes --local-rank=N
+    if launcher != "python":
+        for rank in range(nproc):
+            assert f"probe rank {rank} of {nproc}" in "\n".join(run.rank_lines(rank))
+
+
+@pytest.mark.slow
+def test_runner_timeout_kills_every_rank():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="timeout"):
+        run_script(PROBE, "--hang", launcher="torchrun", nproc=2, timeout=5)
+    assert time.monotonic() - start < 20
+    time.sleep(0.5)
+    assert _children() == set()
+
+
+@pytest.mark.slow
+def test_runner_reports_a_failing_script_with_its_output():
+    with pytest.raises(LaunchError, match=r"exited with 1(.|\n)*deliberate failure"):
+        run_script(PROBE, "--fail", launcher="python")
