@@ -1,0 +1,161 @@
+"""Course integrity: every lesson is complete, every solution passes, every stub is caught.
+
+These run the lessons' own tests in subprocesses (so the graded mode is clean each time); they
+are for CI and teachers, not part of a learner's default ``pytest`` run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from harness.exercises import LESSONS_DIR, REPO_ROOT, SOLUTIONS_DIR, TASK_ID, load_path
+from harness.grading import HARDWARE_SKIP_PREFIX
+
+LESSONS = sorted(p.name for p in LESSONS_DIR.iterdir() if re.match(r"\d\d_", p.name))
+STUB_TASK = re.compile(r'NotImplementedError\(\s*f?["\'](task\d+_\d+):')
+
+
+def tasks_of(lesson: str) -> list[str]:
+    """Task ids, in order, from the stubs of a lesson's exercise files."""
+    found: list[str] = []
+    for path in sorted((LESSONS_DIR / lesson).glob("exercises*.py")):
+        for task in STUB_TASK.findall(path.read_text()):
+            if task not in found:
+                found.append(task)
+    return found
+
+
+def exercise_files(lesson: str) -> list[str]:
+    return sorted(p.name for p in (LESSONS_DIR / lesson).glob("exercises*.py"))
+
+
+def run_lesson_tests(lesson: str, tmp_path: Path, *args: str, **env: str) -> dict:
+    """Run a lesson's tests in a subprocess; return {nodeid: (outcome, message)}."""
+    report = tmp_path / "report.xml"
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("COURSE_SOLUTIONS", "COURSE_STRICT")}
+    environment.update(env)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", f"lessons/{lesson}", "-q",
+         f"--junitxml={report}", *args],
+        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600,
+    )
+    assert report.exists(), f"pytest produced no report:\n{run.stdout}\n{run.stderr}"
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        nodeid = f"{case.get('classname')}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            element = case.find(kind)
+            if element is not None:
+                outcome, message = kind, element.get("message") or ""
+        outcomes[nodeid] = (outcome, message)
+    assert outcomes, f"no test ran for {lesson}:\n{run.stdout}"
+    return outcomes
+
+
+def test_there_are_lessons():
+    assert LESSONS[:1] == ["00_single_gpu"]
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_is_complete(lesson):
+    folder = LESSONS_DIR / lesson
+    number = lesson[:2]
+    required = [folder / "README.md", folder / f"test_{lesson}.py", folder / "walkthrough.py",
+                REPO_ROOT / "docs" / "lessons" / f"{lesson}.md"]
+    missing = [str(p.relative_to(REPO_ROOT)) for p in required if not p.is_file()]
+    assert not missing, f"{lesson} lacks {missing}"
+    assert exercise_files(lesson), f"{lesson} has no exercises*.py"
+    for name in exercise_files(lesson):
+        assert (SOLUTIONS_DIR / lesson / name).is_file(), f"solutions/{lesson}/{name} is missing"
+    tasks = tasks_of(lesson)
+    assert tasks, f"{lesson}'s exercises have no task stubs"
+    assert all(t.startswith(f"task{int(number)}_") for t in tasks), tasks
+    readme = (folder / "README.md").read_text()
+    tests = (folder / f"test_{lesson}.py").read_text()
+    for task in tasks:
+        assert re.search(rf"<summary>[^<]*\b{task}\b", readme), f"README has no hint for {task}"
+        assert f"pytest lessons/{lesson} -m {task}" in readme, f"README: no command for {task}"
+        assert f"mark.{task}" in tests, f"no test carries the {task} marker"
+    nav = (REPO_ROOT / "mkdocs.yml").read_text()
+    assert f"lessons/{lesson}.md" in nav, f"docs/lessons/{lesson}.md is not in mkdocs.yml's nav"
+
+
+def _public_api(path: Path) -> dict[str, str]:
+    module = load_path(path)
+    api = {}
+    for name, obj in vars(module).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            api[name] = f"{inspect.signature(obj)} | {inspect.getdoc(obj)}"
+    return api
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_stubs_and_solutions_expose_the_same_names_and_signatures(lesson):
+    for name in exercise_files(lesson):
+        stub = _public_api(LESSONS_DIR / lesson / name)
+        solution = _public_api(SOLUTIONS_DIR / lesson / name)
+        assert sorted(stub) == sorted(solution), f"{lesson}/{name}: public names differ"
+        for item in stub:
+            assert stub[item] == solution[item], (
+                f"{lesson}/{name}: {item} differs between stub and solution "
+                f"(signature or docstring):\n  stub:     {stub[item][:200]}\n"
+                f"  solution: {solution[item][:200]}"
+            )
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_solutions_pass_with_only_hardware_skips(lesson, tmp_path):
+    outcomes = run_lesson_tests(lesson, tmp_path, "--solutions")
+    bad = {node: result for node, result in outcomes.items()
+           if result[0] in ("failure", "error")
+           or (result[0] == "skipped" and HARDWARE_SKIP_PREFIX not in result[1])}
+    assert not bad, f"solutions of {lesson} do not pass cleanly: {bad}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_every_untouched_stub_fails_in_strict_mode(lesson, tmp_path):
+    tasks = tasks_of(lesson)
+    outcomes = run_lesson_tests(lesson, tmp_path, "-m", " or ".join(tasks), COURSE_STRICT="1")
+    passed = [node for node, (outcome, _) in outcomes.items() if outcome == "passed"]
+    assert not passed, f"these task tests pass on the untouched stubs of {lesson}: {passed}"
+    soft_skips = [node for node, (outcome, message) in outcomes.items()
+                  if outcome == "skipped" and HARDWARE_SKIP_PREFIX not in message]
+    assert not soft_skips, f"skipped for a reason other than hardware: {soft_skips}"
+    tests = (LESSONS_DIR / lesson / f"test_{lesson}.py").read_text()
+    for task in tasks:
+        assert f"mark.{task}" in tests
+    assert any(outcome == "failure" for outcome, _ in outcomes.values())
+
+
+def test_learner_mode_is_green_on_the_untouched_course(tmp_path):
+    """A fresh clone's ``pytest``: passes and not-attempted skips (and hardware skips) only."""
+    for lesson in LESSONS:
+        outcomes = run_lesson_tests(lesson, tmp_path)
+        bad = {node: result for node, result in outcomes.items()
+               if result[0] in ("failure", "error")
+               or (result[0] == "skipped" and not (
+                   result[1].startswith(HARDWARE_SKIP_PREFIX) or "not attempted yet" in result[1]))}
+        assert not bad, f"{lesson} is not green in learner mode: {bad}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_task_ids_match_between_stubs_and_lesson(lesson):
+    """Every task id a test marks exists as a stub, so -m selects real work."""
+    tests = (LESSONS_DIR / lesson / f"test_{lesson}.py").read_text()
+    marked = set(re.findall(r"mark\.(task\d+_\d+)", tests))
+    assert marked == set(tasks_of(lesson)), (
+        f"markers {sorted(marked)} vs stubs {tasks_of(lesson)}"
+    )
+    assert all(TASK_ID.fullmatch(t) for t in marked)

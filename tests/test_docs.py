@@ -1,0 +1,74 @@
+"""The reading side: walkthroughs run and open as notebooks; the site builds with every snippet."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.exercises import LESSONS_DIR, REPO_ROOT
+
+LESSONS = sorted(p.name for p in LESSONS_DIR.iterdir() if re.match(r"\d\d_", p.name))
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_walkthrough_runs_top_to_bottom_as_a_script(lesson):
+    path = LESSONS_DIR / lesson / "walkthrough.py"
+    run = subprocess.run([sys.executable, str(path)], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=180)
+    assert run.returncode == 0, f"{path.name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_walkthrough_opens_as_a_notebook(lesson, tmp_path):
+    jupytext = pytest.importorskip("jupytext")
+    notebook = jupytext.read(LESSONS_DIR / lesson / "walkthrough.py")
+    assert notebook.metadata.get("jupytext", {}).get("text_representation", {}).get(
+        "format_name") == "percent", "walkthroughs use jupytext's percent format"
+    kinds = {cell.cell_type for cell in notebook.cells}
+    assert kinds == {"markdown", "code"}, f"expected prose and code cells, got {kinds}"
+    out = tmp_path / "walkthrough.ipynb"
+    jupytext.write(notebook, out)
+    import nbformat
+
+    nbformat.validate(nbformat.read(out, as_version=4))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    site_dir = tmp_path_factory.mktemp("site")
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stderr[-6000:]}"
+    return site_dir
+
+
+def test_no_page_has_an_unresolved_snippet(site):
+    leftovers = [str(page.relative_to(site)) for page in site.rglob("*.html")
+                 if "--8&lt;--" in page.read_text() or "--8<--" in page.read_text()]
+    assert not leftovers, f"unresolved snippets on {leftovers}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_page_shows_text_code_and_collapsed_solutions(site, lesson):
+    page = (site / "lessons" / lesson / "index.html").read_text()
+    title = next(line for line in (LESSONS_DIR / lesson / "README.md").read_text().splitlines()
+                 if line.startswith("# "))[2:].strip()
+    assert title.split()[0] in page, f"the page does not include {lesson}'s README"
+    assert page.count("<details") >= 1 and "Solution" in page, "no collapsed solution blocks"
+    assert 'class="mermaid"' in page, "the lesson's diagram is missing"
+
+
+def test_site_works_offline(site):
+    """No page loads a script, stylesheet or font from another host at read time."""
+    external = re.compile(r'<(?:script|link)[^>]+(?:src|href)="(https?://[^"]+)"')
+    found = {url for page in site.rglob("*.html") for url in external.findall(page.read_text())}
+    assert not found, f"pages load from the network: {sorted(found)}"
+    assert list(site.rglob("mermaid*.js")), "mermaid must be served by the site itself"
