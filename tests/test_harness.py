@@ -127,6 +127,13 @@ def test_collective_hang_becomes_an_error_within_the_call_timeout():
     assert len(run_on_ranks(sum_of_ranks, 1.0)) == 2  # the rebuilt pool works
 
 
+def test_short_process_group_timeout_raises_torchs_error_on_the_stuck_rank():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 0 raised"):
+        run_on_ranks(collective_on_rank_zero_only, pg_timeout=2, timeout=20)
+    assert time.monotonic() - start < 15, "the 2 s process-group timeout must fire first"
+
+
 def test_timeout_kills_the_workers():
     pool = RankPool(2)
     try:

@@ -33,6 +33,8 @@ def assert_close(actual, expected, what: str, rank: int | None = None, **toleran
         raise AssertionError(f"{where}: dtype {actual_t.dtype}, expected {expected_t.dtype}")
     a = actual_t.detach().cpu()
     e = expected_t.detach().cpu()
+    if tolerances:  # torch wants both or neither: fill the other with the fp32 default
+        tolerances = {**_isclose_args(tolerances), **tolerances}
     try:
         torch.testing.assert_close(a, e, **tolerances)
     except AssertionError:

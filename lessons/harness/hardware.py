@@ -14,9 +14,9 @@ import torch
 
 @functools.cache
 def cuda_device_count() -> int:
-    """Visible CUDA devices. Asks NVML where it can, so it does not initialise CUDA here, which
-    would make every later fork of this process unable to use CUDA."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Visible CUDA devices. ``device_count`` asks NVML first, so counting does not initialise
+    CUDA in this process (CUDA pools spawn their ranks all the same)."""
+    return torch.cuda.device_count()
 
 
 def gpu_skip_reason(n: int = 1, what: str = "") -> str | None:

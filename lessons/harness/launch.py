@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from harness.exercises import REPO_ROOT
+from harness.exercises import REPO_ROOT, TASK_ID
 
 LAUNCH_TIMEOUT = 120.0  # seconds; a launch takes 2-3 s on a 2-core CPU, ~15 s on a GPU machine
 
@@ -91,10 +92,16 @@ def run_script(script: str | os.PathLike, *args: str, launcher: str = "python", 
         data = json.loads(result_path.read_text()) if result and result_path.exists() else None
     outcome = LaunchResult(command, proc.returncode, output, data)
     if check and proc.returncode != 0:
+        stub = _STUB_IN_OUTPUT.search(output)
+        if stub:  # an untouched exercise reached inside a launched rank: "not attempted"
+            raise NotImplementedError(f"{stub.group(1)} (reached in a launched process)")
         raise LaunchError(f"{_show(command)} exited with {proc.returncode}. Its output:\n{output}")
     if check and result and data is None:
         raise LaunchError(f"{_show(command)} wrote no result file. Its output:\n{output}")
     return outcome
+
+
+_STUB_IN_OUTPUT = re.compile(r"NotImplementedError: (" + TASK_ID.pattern + r"[^\n]*)")
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from harness.exercises import task_of
 from harness.hardware import cuda_device_count, gpu_marks, gpu_skip_reason
 
-PG_TIMEOUT = datetime.timedelta(seconds=20)  # a stuck collective errors out after this
+PG_TIMEOUT = 20.0  # seconds after which a stuck collective raises on its rank
 CALL_TIMEOUT = 40.0  # seconds the parent waits for all ranks to answer one call
 START_TIMEOUT = 60.0  # seconds for the workers to start and join the process group
 GRACE = 3.0  # after one rank fails, how long to wait for the others' own errors
@@ -118,7 +118,8 @@ def _to_cpu(obj):
     return obj
 
 
-def _worker_main(rank, world_size, backend, device_kind, store_path, conn: Connection):
+def _worker_main(rank, world_size, backend, device_kind, store_path, pg_timeout,
+                 conn: Connection):
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a worker at once
     torch.set_num_threads(1)  # N ranks share a few cores; oversubscription only slows them
@@ -131,7 +132,8 @@ def _worker_main(rank, world_size, backend, device_kind, store_path, conn: Conne
             device = torch.device("cpu")
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=PG_TIMEOUT
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         ctx = RankContext(rank, world_size, backend, device)
         conn.send_bytes(pickle.dumps(("ready", None)))
@@ -179,7 +181,7 @@ class RankPool:
     """``world_size`` worker processes in one process group, reused across calls."""
 
     def __init__(self, world_size: int, backend: str = "gloo", device: str = "cpu",
-                 start_method: str | None = None):
+                 start_method: str | None = None, pg_timeout: float = PG_TIMEOUT):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
         if backend == "nccl" and device != "cuda":
@@ -188,6 +190,7 @@ class RankPool:
         if reason:
             raise RuntimeError(f"cannot start {backend}/{device} ranks: {reason}")
         self.world_size, self.backend, self.device = world_size, backend, device
+        self.pg_timeout = pg_timeout
         # fork is ~10x faster to start; CUDA cannot survive a fork, so CUDA pools spawn.
         self.start_method = start_method or ("spawn" if device == "cuda" else "fork")
         self._procs: list[mp.Process] = []
@@ -209,7 +212,8 @@ class RankPool:
             parent_end, child_end = context.Pipe()
             proc = context.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, self.backend, self.device, store_path, child_end),
+                args=(rank, self.world_size, self.backend, self.device, store_path,
+                      self.pg_timeout, child_end),
                 name=f"course-rank{rank}",
                 daemon=True,
             )
@@ -324,18 +328,24 @@ class RankPool:
 _pools: dict[tuple, RankPool] = {}
 
 
-def get_pool(world_size: int = 2, backend: str = "gloo", device: str = "cpu") -> RankPool:
-    """The shared pool for (world size, backend, device), started on first use."""
-    key = (world_size, backend, device)
+def get_pool(world_size: int = 2, backend: str = "gloo", device: str = "cpu",
+             pg_timeout: float = PG_TIMEOUT) -> RankPool:
+    """The shared pool for (world size, backend, device, pg timeout), started on first use."""
+    key = (world_size, backend, device, pg_timeout)
     if key not in _pools:
-        _pools[key] = RankPool(world_size, backend, device)
+        _pools[key] = RankPool(world_size, backend, device, pg_timeout=pg_timeout)
     return _pools[key]
 
 
 def run_on_ranks(fn, *args, world_size: int = 2, backend: str = "gloo", device: str = "cpu",
-                 timeout: float = CALL_TIMEOUT, **kwargs) -> list:
-    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` pooled ranks; results in rank order."""
-    return get_pool(world_size, backend, device).run(fn, *args, timeout=timeout, **kwargs)
+                 timeout: float = CALL_TIMEOUT, pg_timeout: float = PG_TIMEOUT,
+                 **kwargs) -> list:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` pooled ranks; results in rank order.
+
+    ``pg_timeout`` (seconds) bounds each collective on the ranks: a short one turns a
+    demonstrated hang into torch's own timeout error within seconds."""
+    pool = get_pool(world_size, backend, device, pg_timeout)
+    return pool.run(fn, *args, timeout=timeout, **kwargs)
 
 
 @atexit.register
@@ -349,7 +359,8 @@ def _group_needs(world_size: int, backend: str, device: str) -> tuple[int, str]:
     if device == "cpu":
         return 0, ""
     if backend == "nccl":
-        return world_size, f"nccl with {world_size} ranks, one GPU each"
+        ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
+        return world_size, f"nccl with {ranks}, one GPU each"
     return 1, f"gloo with {world_size} ranks sharing cuda:0"
 
 

@@ -1,0 +1,481 @@
+"""Lesson 00: grades the exercises (task0_1 .. task0_4) and checks the lesson's own claims.
+
+    pytest lessons/00_single_gpu               # everything
+    pytest lessons/00_single_gpu -m task0_2    # one task
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from harness.compare import assert_close, assert_parameters_close
+from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module
+from harness.hardware import cuda_device_count, gpu_marks, needs_gpus
+
+LESSON = "00_single_gpu"
+LESSON_DIR = REPO_ROOT / "lessons" / LESSON
+ON_CPU_AND_GPU = ["cpu", pytest.param("cuda", marks=gpu_marks(1))]
+
+
+@pytest.fixture(scope="module")
+def ex():
+    return load_exercise(LESSON)
+
+
+@pytest.fixture(scope="module")
+def train():
+    return load_lesson_module(LESSON, "train")
+
+
+def quiet(*_args, **_kwargs):
+    pass
+
+
+# ---------------------------------------------------------------- task0_1: choose_device
+
+def imitate_machine(monkeypatch, gpus: int) -> None:
+    """Make torch.cuda report ``gpus`` devices, so every branch can be graded on a CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+
+
+def describe(requested, gpus: int) -> str:
+    return f"choose_device({requested!r}) on a machine with {gpus} GPU(s)"
+
+
+def assert_device(got, expected_type: str, expected_index, what: str) -> None:
+    assert isinstance(got, torch.device), (
+        f"{what} returned {type(got).__name__} {got!r}, expected a torch.device"
+    )
+    if expected_index is None:  # plain "cuda" may come back as cuda or cuda:0
+        indices = (None, 0) if expected_type == "cuda" else (None,)
+    else:
+        indices = (expected_index,)
+    assert got.type == expected_type and got.index in indices, (
+        f"{what} returned {got}, expected {torch.device(expected_type, expected_index)}"
+    )
+
+
+def assert_refused(ex, requested, gpus: int, why: str) -> str:
+    what = describe(requested, gpus)
+    try:
+        got = ex.choose_device(requested)
+    except ValueError as err:
+        assert str(err).strip(), f"{what} raised ValueError with an empty message; say why"
+        return str(err)
+    except NotImplementedError:
+        raise
+    except Exception as err:
+        pytest.fail(f"{what} raised {type(err).__name__}: {err}; expected ValueError ({why})")
+    pytest.fail(f"{what} returned {got!r}; expected ValueError ({why})")
+
+
+@pytest.mark.task0_1
+@pytest.mark.parametrize("gpus", [0, 2])
+@pytest.mark.parametrize("requested", [None, "auto"])
+def test_choose_device_auto_takes_a_gpu_only_when_there_is_one(ex, monkeypatch, requested, gpus):
+    imitate_machine(monkeypatch, gpus)
+    got = ex.choose_device(requested)
+    assert_device(got, "cuda" if gpus else "cpu", None, describe(requested, gpus))
+
+
+@pytest.mark.task0_1
+@pytest.mark.parametrize(("requested", "gpus", "device_type", "index"), [
+    ("cpu", 0, "cpu", None),
+    ("cpu", 2, "cpu", None),  # a GPU being there must not override an explicit request
+    ("cuda", 2, "cuda", None),
+    ("cuda:0", 2, "cuda", 0),
+    ("cuda:1", 2, "cuda", 1),
+])
+def test_choose_device_honours_the_request(ex, monkeypatch, requested, gpus, device_type, index):
+    imitate_machine(monkeypatch, gpus)
+    got = ex.choose_device(requested)
+    assert_device(got, device_type, index, describe(requested, gpus))
+
+
+@pytest.mark.task0_1
+@pytest.mark.parametrize("requested", ["cuda", "cuda:0"])
+def test_choose_device_refuses_cuda_without_a_gpu(ex, monkeypatch, requested):
+    imitate_machine(monkeypatch, 0)
+    message = assert_refused(ex, requested, 0, "CUDA is not available")
+    assert "cpu" in message.lower(), (
+        f"{describe(requested, 0)} raised ValueError({message!r}); the message should tell the "
+        "user the way out, for example: use 'cpu' (or 'auto')"
+    )
+
+
+@pytest.mark.task0_1
+@pytest.mark.parametrize(("requested", "gpus", "why"), [
+    ("cuda:2", 2, "there is no third GPU"),
+    ("cuda:1", 1, "there is no second GPU"),
+    ("gpu", 2, "not a device name torch knows"),
+    ("tpu", 0, "not a device this function supports"),
+    ("", 0, "an empty request"),
+    ("cuda:x", 2, "not a device index"),
+])
+def test_choose_device_refuses_what_it_cannot_give(ex, monkeypatch, requested, gpus, why):
+    imitate_machine(monkeypatch, gpus)
+    assert_refused(ex, requested, gpus, why)
+
+
+# ---------------------------------------------------------------- task0_2: to_device
+
+META = torch.device("meta")  # a device every machine has: tensors moved there are easy to spot
+
+
+def nested_batch():
+    return {
+        "image": torch.randn(2, 3),
+        "target": (torch.tensor([1, 2]), "cat", 7),
+        "extra": [torch.zeros(1), {"mask": torch.ones(2, dtype=torch.bool), "note": None}],
+    }
+
+
+def assert_moved(got, original, where: str = "batch") -> None:
+    """``got`` has the structure and container types of ``original``; tensors are on meta."""
+    if isinstance(original, torch.Tensor):
+        assert isinstance(got, torch.Tensor), (
+            f"{where}: expected a tensor, got {type(got).__name__}"
+        )
+        assert got.device.type == "meta", (
+            f"{where}: tensor is on {got.device}, expected it moved to {META}"
+        )
+        assert got.shape == original.shape and got.dtype == original.dtype, (
+            f"{where}: got shape {tuple(got.shape)} {got.dtype}, expected "
+            f"{tuple(original.shape)} {original.dtype} (move it, do not change it)"
+        )
+    elif isinstance(original, (dict, list, tuple)):
+        assert type(got) is type(original), (
+            f"{where}: got a {type(got).__name__}, expected a {type(original).__name__} "
+            "(keep each container's type)"
+        )
+        if isinstance(original, dict):
+            assert list(got) == list(original), (
+                f"{where}: keys {list(got)}, expected {list(original)} (all of them, in order)"
+            )
+            for key in original:
+                assert_moved(got[key], original[key], f"{where}[{key!r}]")
+        else:
+            assert len(got) == len(original), (
+                f"{where}: {len(got)} items, expected {len(original)}"
+            )
+            for i, (item, expected) in enumerate(zip(got, original, strict=True)):
+                assert_moved(item, expected, f"{where}[{i}]")
+    else:
+        assert got is original, (
+            f"{where}: got {got!r}, expected the same object {original!r} "
+            "(leave leaves that are not tensors untouched)"
+        )
+
+
+@pytest.mark.task0_2
+def test_to_device_moves_a_single_tensor(ex):
+    tensor = torch.arange(6.0).reshape(2, 3)
+    assert_moved(ex.to_device(tensor, META), tensor, "to_device(tensor)")
+
+
+@pytest.mark.task0_2
+def test_to_device_keeps_an_inputs_targets_tuple(ex):
+    batch = (torch.randn(4, 3), torch.tensor([0, 1, 1, 0]))
+    assert_moved(ex.to_device(batch, META), batch)
+
+
+@pytest.mark.task0_2
+def test_to_device_keeps_a_nested_structure(ex):
+    batch = nested_batch()
+    assert_moved(ex.to_device(batch, META), batch)
+
+
+@pytest.mark.task0_2
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_to_device_passes_non_blocking_on(ex, monkeypatch, non_blocking):
+    seen = []
+    original_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        positional = [a for a in args if isinstance(a, bool)]
+        seen.append(kwargs.get("non_blocking", positional[0] if positional else False))
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    ex.to_device(nested_batch(), META, non_blocking=non_blocking)
+    assert len(seen) == 4, (
+        f"Tensor.to was called {len(seen)} times for a batch of 4 tensors; move each tensor "
+        "with tensor.to(device, non_blocking=non_blocking)"
+    )
+    assert all(flag is non_blocking for flag in seen), (
+        f"Tensor.to got non_blocking={seen}, expected {non_blocking} for every tensor: "
+        "pass the argument on"
+    )
+
+
+# ---------------------------------------------------------------- task0_3: train_step
+
+def small_classifier(seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def classification_batches(n_batches: int, size: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 4, generator=g), torch.randint(0, 3, (size,), generator=g))
+            for _ in range(n_batches)]
+
+
+@pytest.mark.task0_3
+def test_train_step_matches_a_reference_loop_over_two_steps(ex):
+    model = small_classifier()
+    reference = copy.deepcopy(model)
+    # Gradients left over from an earlier step: train_step must clear them before backward.
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss_fn = nn.CrossEntropyLoss()
+
+    for step, (inputs, targets) in enumerate(classification_batches(2, 6), start=1):
+        got = ex.train_step(model, (inputs, targets), loss_fn, optimizer)
+
+        reference_optimizer.zero_grad()
+        expected = loss_fn(reference(inputs), targets)
+        expected.backward()
+        reference_optimizer.step()
+
+        assert isinstance(got, float), (
+            f"step {step}: train_step returned a {type(got).__name__}, expected a Python float "
+            "(loss.item(): a tensor would also keep the step's whole autograd graph alive)"
+        )
+        assert_close(got, expected.item(), f"step {step}: loss returned by train_step "
+                                           "(the loss of the batch before the update)")
+        assert_parameters_close(model, reference, f"step {step}: parameter")
+
+
+# ---------------------------------------------------------------- task0_4: evaluate
+
+class RecordingClassifier(nn.Module):
+    """A linear classifier that records, at each forward, grad mode and training flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.tensor([[1.0, -1.0, 0.5], [-0.5, 1.0, -1.0]]))
+            self.linear.bias.copy_(torch.tensor([0.1, -0.1]))
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append({"grad enabled": torch.is_grad_enabled(), "training": self.training})
+        return self.linear(x)
+
+
+def ten_samples():
+    """10 samples in batches of 4, 4 and 2; the short last batch has a much larger loss."""
+    g = torch.Generator().manual_seed(2)
+    inputs = torch.randn(10, 3, generator=g)
+    with torch.no_grad():
+        predicted = RecordingClassifier()(inputs).argmax(dim=1)
+    targets = predicted.clone()
+    targets[8:] = 1 - predicted[8:]  # the last two are confidently wrong
+    return DataLoader(TensorDataset(inputs, targets), batch_size=4, shuffle=False)
+
+
+@pytest.mark.task0_4
+def test_evaluate_is_the_exact_mean_over_all_samples(ex):
+    loader = ten_samples()
+    model = RecordingClassifier()
+    loss_fn = nn.CrossEntropyLoss()
+    inputs, targets = loader.dataset.tensors
+    with torch.no_grad():
+        expected = loss_fn(model(inputs), targets).item()
+        mean_of_batch_means = sum(loss_fn(model(x), y).item() for x, y in loader) / len(loader)
+    assert abs(mean_of_batch_means - expected) > 0.1, "test data no longer tells the two apart"
+
+    got = ex.evaluate(model, loader, loss_fn)
+
+    assert isinstance(got, float), (
+        f"evaluate returned a {type(got).__name__}, expected a Python float"
+    )
+    if math.isclose(got, mean_of_batch_means, rel_tol=1e-5):
+        pytest.fail(
+            f"evaluate returned {got:.6f}, the mean of the 3 per-batch means; expected "
+            f"{expected:.6f}, the mean over all 10 samples: the last batch has 2 samples, not 4, "
+            "so weigh each batch's mean loss by its number of samples"
+        )
+    assert_close(got, expected, "evaluate(): mean loss per sample over 10 samples in batches "
+                                "of 4, 4, 2")
+
+
+@pytest.mark.task0_4
+@pytest.mark.parametrize("start_in_training_mode", [True, False])
+def test_evaluate_uses_eval_mode_no_grad_and_restores_the_mode(ex, start_in_training_mode):
+    model = RecordingClassifier()
+    model.train(start_in_training_mode)
+    ex.evaluate(model, ten_samples(), nn.CrossEntropyLoss())
+
+    assert len(model.seen) == 3, (
+        f"the model ran {len(model.seen)} forward passes, expected 3 (one per batch)"
+    )
+    for i, state in enumerate(model.seen):
+        assert not state["grad enabled"], (
+            f"batch {i}: gradients were enabled in the forward pass; wrap the loop in "
+            "torch.no_grad() (no graph is needed to evaluate, and it costs memory)"
+        )
+        assert not state["training"], (
+            f"batch {i}: the model was in training mode; call model.eval() first (dropout and "
+            "batch norm behave differently in eval mode)"
+        )
+    mode = "training" if start_in_training_mode else "eval"
+    assert model.training == start_in_training_mode, (
+        f"the model was in {mode} mode before evaluate and in "
+        f"{'training' if model.training else 'eval'} mode after; restore the mode it had"
+    )
+    assert all(p.grad is None for p in model.parameters()), "evaluate must not compute gradients"
+
+
+# ---------------------------------------------------------------- the lesson's own claims
+
+def test_training_makes_the_validation_loss_go_down(train):
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    train_set, val_set = train.make_dataset()
+    train_loader, val_loader = train.make_loaders(train_set, val_set, 64, seed=0, device=device)
+    model = train.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    loss_before, _ = train.evaluate(model, val_loader, device)
+    train_losses = [train.train_one_epoch(model, train_loader, optimizer, device)
+                    for _ in range(2)]
+    loss_after, accuracy = train.evaluate(model, val_loader, device)
+
+    assert train_losses[1] < train_losses[0], f"training loss went up: {train_losses}"
+    assert loss_after < 0.5 * loss_before, (
+        f"validation loss {loss_before:.4f} -> {loss_after:.4f}: expected it at least halved"
+    )
+    assert accuracy > 0.85, f"validation accuracy {accuracy:.1%} after 2 epochs, expected > 85%"
+
+
+def test_evaluate_in_train_py_is_exact_with_a_short_last_batch(train):
+    device = torch.device("cpu")
+    _, val_set = train.make_dataset()
+    model = train.build_model()
+    assert len(val_set) % 64 != 0, "the validation set should not divide into full batches"
+    _, val_loader = train.make_loaders(val_set, val_set, 64, seed=0, device=device)
+    got, accuracy = train.evaluate(model, val_loader, device)
+    inputs, targets = val_set.tensors
+    with torch.no_grad():
+        logits = model(inputs)
+    assert_close(got, nn.functional.cross_entropy(logits, targets).item(),
+                 "train.evaluate loss over the whole validation set", rtol=1e-5, atol=1e-6)
+    assert_close(accuracy, (logits.argmax(1) == targets).float().mean().item(),
+                 "train.evaluate accuracy", rtol=1e-5, atol=1e-6)
+
+
+def test_same_seed_gives_bitwise_identical_parameters_on_cpu(train):
+    cpu = torch.device("cpu")
+    first, result_a = train.fit(cpu, epochs=1, seed=3, log=quiet)
+    second, result_b = train.fit(cpu, epochs=1, seed=3, log=quiet)
+    other, result_c = train.fit(cpu, epochs=1, seed=4, log=quiet)
+    for (name, a), b in zip(first.named_parameters(), second.parameters(), strict=True):
+        assert torch.equal(a, b), (
+            f"seed 3 twice gave different {name!r}: max difference {(a - b).abs().max():.3g}"
+        )
+    assert result_a["params_sha256"] == result_b["params_sha256"]
+    assert result_a["train_loss"] == result_b["train_loss"]
+    assert not all(torch.equal(a, c) for a, c in zip(first.parameters(), other.parameters(),
+                                                     strict=True)), "seed 4 gave seed 3's weights"
+    assert result_c["params_sha256"] != result_a["params_sha256"]
+
+
+@pytest.mark.parametrize("device_name", ON_CPU_AND_GPU)
+def test_model_optimizer_state_and_data_live_on_the_chosen_device(train, device_name):
+    device = torch.device(device_name)
+    train_set, val_set = train.make_dataset(n_train=256, n_val=100)
+    train_loader, val_loader = train.make_loaders(train_set, val_set, 64, seed=0, device=device)
+    assert train_loader.pin_memory == (device.type == "cuda"), (
+        "pinned host memory is for CUDA copies only"
+    )
+    model = train.build_model().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = []
+    model.register_forward_pre_hook(lambda _module, args: seen.append(args[0].device))
+
+    train.train_one_epoch(model, train_loader, optimizer, device)
+    train.evaluate(model, val_loader, device)
+
+    assert seen and all(d.type == device.type for d in seen), (
+        f"the model received inputs on {sorted(set(map(str, seen)))}, expected {device}"
+    )
+    for name, p in model.named_parameters():
+        assert p.device.type == device.type, f"parameter {name!r} is on {p.device}"
+        for key, state in optimizer.state[p].items():
+            if torch.is_tensor(state) and state.dim() > 0:
+                assert state.device.type == device.type, (
+                    f"optimizer state {key!r} of {name!r} is on {state.device}"
+                )
+
+
+@needs_gpus(1, "bf16 autocast training on CUDA")
+def test_fit_trains_on_cuda_with_bf16(train):
+    model, result = train.fit(torch.device("cuda"), epochs=2, bf16=True, log=quiet)
+    assert result["device"] == "cuda"
+    assert all(p.is_cuda for p in model.parameters())
+    assert result["val_loss"][-1] < result["val_loss"][0]
+
+
+def test_train_py_refuses_cuda_without_a_gpu_in_one_line(train, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = train.main(["--device", "cuda"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, f"exit code {code}, expected 2 (bad usage)"
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, f"expected one line, got:\n{err}"
+    assert "--device cpu" in err, f"the message should say what to do instead: {err}"
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_train_script_runs_and_writes_its_result(tmp_path):
+    result_path = tmp_path / "r.json"
+    run = run_script(str(LESSON_DIR / "train.py"), "--epochs", "2", "--result", str(result_path))
+    assert run.returncode == 0, f"train.py exited {run.returncode}:\n{run.stderr[-3000:]}"
+    assert "epoch 2/2" in run.stdout, run.stdout
+    result = json.loads(result_path.read_text())
+    assert result["device"] == ("cuda" if cuda_device_count() else "cpu")
+    assert len(result["train_loss"]) == len(result["val_loss"]) == 2
+    assert result["train_loss"][1] < result["train_loss"][0]
+    assert 0.0 <= result["final_val_accuracy"] <= 1.0
+    assert result["samples_per_s"] > 0
+    assert len(result["params_sha256"]) == 64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device_name", ON_CPU_AND_GPU)
+def test_fast_one_device_prints_its_ladder(device_name):
+    run = run_script(str(LESSON_DIR / "fast_one_device.py"), "--device", device_name,
+                     "--width", "32", "--blocks", "1", "--batch", "64", "--steps", "2",
+                     "--warmup", "1", "--no-compile")
+    assert run.returncode == 0, f"fast_one_device.py exited {run.returncode}:\n{run.stderr}"
+    out = run.stdout
+    for expected in ("ms/step", "samples/s", "TFLOP/s", "fp32", "bf16 autocast",
+                     "bf16 autocast, batch x2", "skipped (--no-compile)"):
+        assert expected in out, f"expected {expected!r} in the output:\n{out}"
+    if device_name == "cpu":
+        assert "tf32: does not apply on CPU" in out, out
+    else:
+        assert "% of bf16 peak" in out and "\ntf32 " in out, out

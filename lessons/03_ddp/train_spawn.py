@@ -1,0 +1,51 @@
+"""The same training as ``train_ddp.py``, but the script starts its own processes.
+
+    python lessons/03_ddp/train_spawn.py --nprocs 2
+
+``torch.multiprocessing.spawn`` starts ``--nprocs`` fresh Python processes and calls
+``worker(index, ...)`` in each; the parent waits for all of them and re-raises the first
+failure. There is no launcher, so the script plays its part: it sets RANK, WORLD_SIZE and
+the rest in each process, and picks a free port for them to meet on.
+
+Prefer torchrun: it restarts failed workers, handles several machines, and keeps launching
+out of your code. Spawn is handy where a script must be started as plain ``python``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+# The model, data and training loop are train_ddp.py's: only the start-up differs.
+import train_ddp
+
+
+def worker(index: int, nprocs: int, port: int, argv: list[str]) -> None:
+    # Describe the job exactly as torchrun would, then run the unchanged training code.
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(nprocs),
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    train_ddp.main(argv)
+
+
+def free_port() -> int:
+    """A port the OS says is free now (never a fixed number that may be taken)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, default=2)
+    args, rest = parser.parse_known_args()  # the rest goes to train_ddp.py
+    # join=True: wait for every process; an exception in one is raised here.
+    mp.spawn(worker, args=(args.nprocs, free_port(), rest), nprocs=args.nprocs, join=True)
+
+
+# The guard matters: spawned processes import this file, and must not spawn again.
+if __name__ == "__main__":
+    main()

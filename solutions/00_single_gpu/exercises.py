@@ -1,0 +1,115 @@
+"""Lesson 00 exercises: one device, done right.
+
+Fill in the four functions below (each raises NotImplementedError until you do), then grade one:
+
+    pytest lessons/00_single_gpu -m task0_1
+
+Everything here runs on CPU; the tests imitate a GPU machine where they need one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# --8<-- [start:choose_device]
+def choose_device(requested: str | None = None) -> torch.device:
+    """Turn a device request into a ``torch.device``, once, at the start of a program.
+
+    - ``None`` or ``"auto"``: ``cuda`` if ``torch.cuda.is_available()``, else ``cpu``;
+    - ``"cpu"``: the CPU;
+    - ``"cuda"`` or ``"cuda:N"``: that device; but raise ``ValueError`` when CUDA is not
+      available (with a message that names ``'cpu'`` as the way out), or when N is not below
+      ``torch.cuda.device_count()``;
+    - anything else (``"gpu"``, ``"tpu"``, ``""``, ``"cuda:x"``): ``ValueError``.
+
+    Ask ``torch.cuda.is_available()`` / ``torch.cuda.device_count()`` when called: the test
+    replaces them to imitate machines with and without GPUs, and checks every case above.
+    """
+    if requested is None or requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda" or requested.startswith("cuda:"):
+        try:
+            device = torch.device(requested)
+        except RuntimeError:
+            raise ValueError(f"bad device {requested!r}: write 'cuda' or 'cuda:N'") from None
+        if not torch.cuda.is_available():
+            raise ValueError(f"{requested!r} was requested but CUDA is not available here; "
+                             "use 'cpu', or 'auto' to take a GPU only when there is one")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{requested!r} was requested but this machine has {count} "
+                             f"CUDA device(s): use cuda:0 .. cuda:{count - 1}")
+        return device
+    raise ValueError(f"unknown device {requested!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+# --8<-- [end:choose_device]
+
+
+# --8<-- [start:to_device]
+def to_device(batch, device: torch.device, non_blocking: bool = False):
+    """Move a tensor, or a nested list / tuple / dict of them, to ``device``.
+
+    Returns the same structure with the same container types (a tuple stays a tuple, a dict
+    keeps all its keys in order) in which every tensor ``t`` is replaced by
+    ``t.to(device, non_blocking=non_blocking)``; any other leaf (a string, a number, None) is
+    returned untouched, as the same object. The test moves a nested batch to the ``meta``
+    device and checks every leaf, every container type, and that ``non_blocking`` is passed on.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return type(batch)((key, to_device(value, device, non_blocking))
+                           for key, value in batch.items())
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(item, device, non_blocking) for item in batch]
+        if hasattr(batch, "_fields"):  # a namedtuple is built from positional fields
+            return type(batch)(*moved)
+        return type(batch)(moved)
+    return batch
+# --8<-- [end:to_device]
+
+
+# --8<-- [start:train_step]
+def train_step(model: torch.nn.Module, batch, loss_fn, optimizer) -> float:
+    """One optimisation step on ``batch = (inputs, targets)``; returns the loss as a float.
+
+    In order: clear the gradients left by earlier steps, compute ``loss_fn(model(inputs),
+    targets)``, back-propagate, step the optimizer. Return the loss (computed before the step)
+    as a Python ``float``. The test runs two steps on a model whose ``.grad`` already holds
+    stale values and compares every parameter and both losses with its own reference loop.
+    """
+    inputs, targets = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+# --8<-- [end:train_step]
+
+
+# --8<-- [start:evaluate]
+def evaluate(model: torch.nn.Module, loader, loss_fn) -> float:
+    """The exact mean loss per sample over every batch ``(inputs, targets)`` of ``loader``.
+
+    ``loss_fn`` averages over its batch (``reduction="mean"``), and the last batch may be
+    smaller than the others: weigh each batch by its number of samples, so the answer equals
+    the loss of the whole data set at once. Run the model in eval mode with gradients off
+    (``torch.no_grad()``), and leave it in the training/eval mode it was in before. Return a
+    Python ``float``. The test uses 10 samples in batches of 4, 4 and 2, and checks the mode
+    and grad state seen inside the forward pass and the mode afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum, seen = 0.0, 0
+    try:
+        with torch.no_grad():
+            for inputs, targets in loader:
+                batch_size = targets.shape[0]
+                loss_sum += loss_fn(model(inputs), targets).item() * batch_size
+                seen += batch_size
+    finally:
+        model.train(was_training)
+    return loss_sum / seen
+# --8<-- [end:evaluate]
