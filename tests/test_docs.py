@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import subprocess
 import sys
@@ -50,10 +51,28 @@ def site(tmp_path_factory) -> Path:
     return site_dir
 
 
+# A snippet line left in a page: `--8<-- "path"` at the start of a line of the page's text.
+UNRESOLVED = re.compile(r'^\s*--8<--\s+"[^"]+"', re.MULTILINE)
+
+
+def page_text(page: Path) -> str:
+    return page_text_of(page.read_text())
+
+
 def test_no_page_has_an_unresolved_snippet(site):
-    leftovers = [str(page.relative_to(site)) for page in site.rglob("*.html")
-                 if "--8&lt;--" in page.read_text() or "--8<--" in page.read_text()]
-    assert not leftovers, f"unresolved snippets on {leftovers}"
+    leftovers = {str(page.relative_to(site)): UNRESOLVED.findall(page_text(page))
+                 for page in site.rglob("*.html")}
+    leftovers = {page: lines for page, lines in leftovers.items() if lines}
+    assert not leftovers, f"unresolved snippets: {leftovers}"
+
+
+def test_the_unresolved_snippet_check_can_fail():
+    assert UNRESOLVED.search(page_text_of('<p>--8&lt;-- &quot;lessons/x.md&quot;</p>'))
+    assert not UNRESOLVED.search(page_text_of("<p>include with <code>--8&lt;--</code> lines</p>"))
+
+
+def page_text_of(markup: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", markup))
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
