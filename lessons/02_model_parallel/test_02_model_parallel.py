@@ -1,0 +1,773 @@
+"""Lesson 02: grades the exercises (task2_1 .. task2_3) and checks the lesson's own claims.
+
+    pytest lessons/02_model_parallel               # everything
+    pytest lessons/02_model_parallel -m task2_2    # one task
+    pytest lessons/02_model_parallel -m gpu        # only the checks on CUDA devices
+
+Without a GPU, every split runs on ``cpu``/``cpu`` (the numbers) and on ``cpu``/``meta`` (where
+things live); the ``cuda:0``/``cpu`` and ``cuda:0``/``cuda:1`` checks skip with the hardware they
+need.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.compare import assert_close, assert_parameters_close
+from harness.exercises import (
+    LESSONS_DIR,
+    REPO_ROOT,
+    load_exercise,
+    load_lesson_module,
+    task_of,
+)
+from harness.hardware import cuda_device_count, gpu_marks
+
+LESSON = "02_model_parallel"
+META = torch.device("meta")  # tensors with a shape and no data: where a tensor is, made visible
+
+# The hardware matrix of "a split model equals one device": cuda:0/cpu with one GPU, two GPUs.
+DEVICE_PAIRS = [
+    pytest.param(("cpu", "cpu"), id="cpu-cpu"),
+    pytest.param(("cuda:0", "cpu"), id="cuda0-cpu",
+                 marks=gpu_marks(1, "a model split across cuda:0 and the CPU")),
+    pytest.param(("cuda:0", "cuda:1"), id="cuda0-cuda1",
+                 marks=gpu_marks(2, "a model split across cuda:0 and cuda:1")),
+]
+# For the pipelined step the output must land on a GPU while the targets start on the CPU, so
+# that forgetting to move the targets shows: cpu/cuda:0 instead of cuda:0/cpu.
+PIPELINE_PAIRS = [
+    pytest.param(("cpu", "cpu"), id="cpu-cpu"),
+    pytest.param(("cpu", "cuda:0"), id="cpu-cuda0",
+                 marks=gpu_marks(1, "a pipelined model split across the CPU and cuda:0")),
+    pytest.param(("cuda:0", "cuda:1"), id="cuda0-cuda1",
+                 marks=gpu_marks(2, "a pipelined model split across cuda:0 and cuda:1")),
+]
+
+
+@pytest.fixture(scope="module")
+def ex():
+    return load_exercise(LESSON)
+
+
+@pytest.fixture(scope="module")
+def split_model():
+    return load_lesson_module(LESSON, "split_model")
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return load_lesson_module(LESSON, "pipeline_sweep")
+
+
+@pytest.fixture
+def no_tf32():
+    """Full fp32 matmuls while GPU results are compared with CPU ones (TF32 would round)."""
+    # allow_tf32 works on torch 2.11 and 2.13 (CPU builds too); later ones also have fp32_precision.
+    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+# --------------------------------------------------------------------------------------------
+# Small models whose stages carry parameters *and* buffers.
+
+
+class Standardize(nn.Module):
+    """A fixed per-feature shift and scale, kept in buffers: state that is not a parameter."""
+
+    def __init__(self, features: int, g: torch.Generator):
+        super().__init__()
+        self.register_buffer("shift", torch.randn(features, generator=g))
+        self.register_buffer("scale", torch.rand(features, generator=g) + 0.5)
+
+    def forward(self, x):
+        return (x - self.shift) / self.scale
+
+
+IN_FEATURES, HIDDEN, OUT_FEATURES = 5, 16, 3
+
+
+def make_stages(num_stages: int = 2, seed: int = 0) -> list[nn.Sequential]:
+    """Consecutive stages of one MLP, on the CPU: 5 -> 16 -> ... -> 3 features."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [IN_FEATURES] + [HIDDEN] * (num_stages - 1) + [OUT_FEATURES]
+    stages = []
+    for k in range(num_stages):
+        layers = [Standardize(widths[k], g), nn.Linear(widths[k], widths[k + 1])]
+        if k < num_stages - 1:
+            layers.append(nn.Tanh())
+        stage = nn.Sequential(*layers)
+        with torch.no_grad():
+            for p in stage.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        stages.append(stage)
+    return stages
+
+
+class Unsplit(nn.Module):
+    """The same stages, run one after another on one device, with StagedModel's names."""
+
+    def __init__(self, stages):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def make_batch(batch_size: int, seed: int = 1, classes: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(batch_size, IN_FEATURES, generator=g)
+    if classes:
+        return inputs, torch.randint(0, OUT_FEATURES, (batch_size,), generator=g)
+    return inputs, torch.randn(batch_size, OUT_FEATURES, generator=g)
+
+
+def record_input_devices(stages) -> list[list[torch.device]]:
+    """Hooks that note the device of every input each stage receives."""
+    seen: list[list[torch.device]] = [[] for _ in stages]
+    for k, stage in enumerate(stages):
+        stage.register_forward_pre_hook(lambda _module, args, k=k: seen[k].append(args[0].device))
+    return seen
+
+
+def assert_gradients_equal(model, reference, what: str) -> None:
+    try:
+        assert_parameters_close(model, reference, what, grads=True)
+    except AssertionError as err:
+        if "is None" in str(err):
+            raise AssertionError(
+                f"{err}. Something between the stages cut the autograd graph: move activations "
+                "with x.to(device), never with .detach(), .data or torch.tensor(x)"
+            ) from None
+        raise
+
+
+def assert_refused(call, what: str, why: str) -> None:
+    """``call()`` must raise ValueError; anything else fails with what happened instead."""
+    try:
+        result = call()
+    except ValueError:
+        return
+    except Exception as err:
+        if task_of(err):
+            raise
+        pytest.fail(f"{what} raised {type(err).__name__}: {err}; expected a ValueError ({why})")
+    pytest.fail(f"{what} returned {result!r}; expected a ValueError ({why})")
+
+
+# --------------------------------------------------------------------------------------------
+# task2_1: place the stages, and the forward that carries activations between devices
+
+
+@pytest.mark.task2_1
+@pytest.mark.parametrize("devices", [("cpu", "meta"), ("meta", "cpu", "meta"),
+                                     ("cpu", "cpu", "meta")])
+def test_place_stages_puts_every_parameter_and_buffer_of_stage_k_on_device_k(ex, devices):
+    stages = make_stages(len(devices))
+    model = ex.place_stages(stages, list(devices))
+    assert isinstance(model, ex.StagedModel), (
+        f"place_stages returned a {type(model).__name__}; return StagedModel(stages, devices)"
+    )
+    assert len(model.stages) == len(devices), (
+        f"the placed model has {len(model.stages)} stages, expected {len(devices)}"
+    )
+    for k, (stage, device) in enumerate(zip(model.stages, devices, strict=True)):
+        for kind, tensors in (("parameter", stage.named_parameters()),
+                              ("buffer", stage.named_buffers())):
+            for name, tensor in tensors:
+                assert tensor.device == torch.device(device), (
+                    f"stage {k}: {kind} {name!r} is on {tensor.device}, expected devices[{k}] = "
+                    f"{device}. Move each whole stage with stage.to(device), which moves its "
+                    "parameters and its buffers"
+                )
+    assert [str(d) for d in model.devices] == list(devices), (
+        f"the placed model's devices are {model.devices}, expected {list(devices)}"
+    )
+
+
+@pytest.mark.task2_1
+def test_place_stages_accepts_torch_devices_and_refuses_a_missing_device(ex):
+    model = ex.place_stages(make_stages(2), [torch.device("cpu"), META])
+    assert next(model.stages[1].parameters()).device == META
+    assert_refused(lambda: ex.place_stages(make_stages(3), ["cpu", "cpu"]),
+                   "place_stages(3 stages, 2 devices)", "one device per stage")
+
+
+@pytest.mark.task2_1
+@pytest.mark.parametrize("devices", [("cpu", "meta"), ("cpu", "cpu", "meta")])
+def test_forward_moves_each_stage_input_to_that_stage_device(ex, devices):
+    # Placed by the test, so that this checks your forward whatever place_stages does.
+    stages = [stage.to(device) for stage, device in zip(make_stages(len(devices)), devices,
+                                                         strict=True)]
+    model = ex.StagedModel(stages, devices)
+    seen = record_input_devices(stages)
+    x = torch.randn(4, IN_FEATURES)  # on the CPU, as a data loader delivers it
+    try:
+        out = model(x)
+    except Exception as err:
+        if task_of(err):  # the untouched stub: reported as "not attempted yet"
+            raise
+        pytest.fail(
+            f"the forward raised {type(err).__name__}: {str(err).splitlines()[0]}\nInputs each "
+            f"stage received: {[[str(d) for d in s] for s in seen]}; expected stage k's on "
+            f"devices[k] = {list(devices)}, and the output left on {devices[-1]}. Move each "
+            "stage's input to its device just before calling it"
+        )
+    for k, (received, device) in enumerate(zip(seen, devices, strict=True)):
+        assert len(received) == 1, (
+            f"stage {k} ran {len(received)} times in one forward, expected once"
+        )
+        assert received[0] == torch.device(device), (
+            f"stage {k} received its input on {received[0]}, expected devices[{k}] = {device}"
+        )
+    assert out.device == torch.device(devices[-1]), (
+        f"the output is on {out.device}, expected the last stage's device {devices[-1]} (leave "
+        "it there: the loss is computed where the output is)"
+    )
+    assert tuple(out.shape) == (4, OUT_FEATURES), f"output shape {tuple(out.shape)}"
+
+
+@pytest.mark.task2_1
+@pytest.mark.parametrize("devices", DEVICE_PAIRS)
+def test_split_model_equals_the_unsplit_model_on_one_device(ex, devices, no_tf32):
+    stages = make_stages(2)
+    reference = Unsplit(copy.deepcopy(stages))  # stays on the CPU
+    model = ex.place_stages(stages, list(devices))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    split = f"split {devices[0]} -> {devices[1]}"
+    for step in (1, 2):
+        inputs, targets = make_batch(6, seed=step)
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = F.mse_loss(outputs, targets.to(outputs.device))
+        loss.backward()
+        reference_optimizer.zero_grad()
+        reference_outputs = reference(inputs)
+        reference_loss = F.mse_loss(reference_outputs, targets)
+        reference_loss.backward()
+
+        assert_close(outputs, reference_outputs, f"step {step}: {split}: outputs vs one device")
+        assert_close(loss, reference_loss, f"step {step}: {split}: loss vs one device")
+        assert_gradients_equal(model, reference, f"step {step}: {split}")
+        optimizer.step()
+        reference_optimizer.step()
+        assert_parameters_close(model, reference, f"after SGD step {step}: {split}: parameter")
+
+
+# --------------------------------------------------------------------------------------------
+# task2_2: a pipelined step over micro-batches, equal to the full batch
+
+
+class Tap(torch.autograd.Function):
+    """Identity in forward; notes in ``log`` when its backward runs."""
+
+    @staticmethod
+    def forward(ctx, x, log, label):
+        ctx.log, ctx.label = log, label
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(("backward", ctx.label))
+        return grad, None, None
+
+
+class TwoStageNet(nn.Module):
+    """Two stages on two devices that log every forward call and every backward through them."""
+
+    def __init__(self, devices=("cpu", "cpu"), seed: int = 0):
+        super().__init__()
+        first, second = make_stages(2, seed)
+        self.devices = [torch.device(d) for d in devices]
+        self.first, self.second = first.to(self.devices[0]), second.to(self.devices[1])
+        self.log: list[tuple[str, int]] = []
+        self.inputs_seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.log.append(("forward", x.shape[0]))
+        self.inputs_seen.append(x.detach().cpu())
+        hidden = Tap.apply(self.first(x.to(self.devices[0])), self.log, x.shape[0])
+        return self.second(hidden.to(self.devices[1]))
+
+
+LOSSES = {"mse": F.mse_loss, "cross_entropy": F.cross_entropy}
+
+
+def split_sizes(batch_size: int, m: int) -> list[int]:
+    return [len(c) for c in torch.arange(batch_size).tensor_split(m)]
+
+
+def hand_weighted_grads(inputs, targets, loss_fn, m: int, weights: str) -> dict:
+    """Gradients of the sum of the micro-batch mean losses under a given (wrong) weighting."""
+    model = TwoStageNet()
+    for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True):
+        weight = 1 / m if weights == "1/m" else 1.0
+        (loss_fn(model(x), y) * weight).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def matches(model, grads: dict) -> bool:
+    return all(p.grad is not None and torch.allclose(p.grad, grads[name], rtol=1e-5, atol=1e-7)
+               for name, p in model.named_parameters())
+
+
+@pytest.mark.task2_2
+@pytest.mark.parametrize(("batch_size", "m", "loss_name"), [
+    (8, 1, "mse"), (8, 2, "mse"), (8, 4, "mse"), (7, 7, "mse"),
+    (10, 3, "mse"), (10, 4, "mse"), (10, 4, "cross_entropy"), (9, 2, "cross_entropy"),
+])
+def test_pipelined_step_gradients_equal_one_full_batch_step(ex, batch_size, m, loss_name):
+    loss_fn = LOSSES[loss_name]
+    inputs, targets = make_batch(batch_size, classes=loss_name == "cross_entropy")
+    model, reference = TwoStageNet(), TwoStageNet()
+    got = ex.pipelined_step(model, inputs, targets, loss_fn, m)
+
+    expected = loss_fn(reference(inputs), targets)
+    expected.backward()
+    what = f"batch of {batch_size} in {m} micro-batches {split_sizes(batch_size, m)}, {loss_name}"
+    assert isinstance(got, float), (
+        f"pipelined_step returned a {type(got).__name__}, expected a Python float"
+    )
+    expected_grads = {name: p.grad for name, p in reference.named_parameters()}
+    if not matches(model, expected_grads):
+        for weights, advice in (
+            ("1/m", "weighting each micro-batch's mean loss by 1/m is only right when all "
+                    "micro-batches have the same size; weigh it by size_i / batch_size"),
+            ("none", "the micro-batch mean losses were added without weights; weigh each by "
+                     "size_i / batch_size so that together they make the full batch's mean"),
+        ):
+            if matches(model, hand_weighted_grads(inputs, targets, loss_fn, m, weights)):
+                pytest.fail(f"{what}: your gradients are those of a wrong loss scaling: {advice}")
+    assert_gradients_equal(model, reference, what)
+    assert_close(got, expected.item(), f"{what}: returned loss (the full batch's mean loss)")
+
+
+@pytest.mark.task2_2
+@pytest.mark.parametrize(("batch_size", "m"), [(10, 4), (6, 4), (5, 5), (8, 1)])
+def test_pipelined_step_feeds_the_model_m_consecutive_micro_batches(ex, batch_size, m):
+    inputs, targets = make_batch(batch_size)
+    model = TwoStageNet()
+    ex.pipelined_step(model, inputs, targets, F.mse_loss, m)
+    sizes = [n for kind, n in model.log if kind == "forward"]
+    expected = split_sizes(batch_size, m)
+    assert sizes == expected, (
+        f"a batch of {batch_size} in m={m}: the model ran on micro-batches of sizes {sizes}, "
+        f"expected {expected}: use torch.tensor_split(inputs, m), which makes exactly m "
+        "micro-batches whose sizes differ by at most one (torch.chunk can make fewer)"
+    )
+    assert_close(torch.cat(model.inputs_seen), inputs,
+                 "the micro-batches the model received, joined in order (expected the batch)")
+
+
+@pytest.mark.task2_2
+def test_pipelined_step_runs_every_forward_before_the_first_backward(ex):
+    inputs, targets = make_batch(8)
+    model = TwoStageNet()
+    ex.pipelined_step(model, inputs, targets, F.mse_loss, 4)
+    order = [kind for kind, _ in model.log]
+    assert order.count("backward") == 4, (
+        f"the backward ran through {order.count('backward')} micro-batches, expected all 4"
+    )
+    first_backward = order.index("backward")
+    assert order[:first_backward] == ["forward"] * 4, (
+        f"the calls came in the order {order}; GPipe runs the forward of every micro-batch "
+        "first (that is what lets the stages overlap), then the backward: keep each "
+        "micro-batch's weighted loss and call backward after the last forward, e.g. once on "
+        "their sum"
+    )
+
+
+@pytest.mark.task2_2
+def test_pipelined_step_adds_to_gradients_already_there(ex):
+    inputs, targets = make_batch(10)
+    model, reference = TwoStageNet(), TwoStageNet()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    ex.pipelined_step(model, inputs, targets, F.mse_loss, 3)
+    F.mse_loss(reference(inputs), targets).backward()
+    for p in reference.parameters():
+        p.grad += 1
+    assert_parameters_close(
+        model, reference,
+        "gradient after pipelined_step on a model whose .grad held ones (expected ones + the "
+        "batch's gradient: accumulate like backward, do not zero)", grads=True)
+
+
+@pytest.mark.task2_2
+@pytest.mark.parametrize("m", [0, -1, 11])
+def test_pipelined_step_refuses_impossible_micro_batch_counts(ex, m):
+    inputs, targets = make_batch(10)
+    assert_refused(lambda: ex.pipelined_step(TwoStageNet(), inputs, targets, F.mse_loss, m),
+                   f"pipelined_step(num_micro_batches={m}) for a batch of 10",
+                   "check 1 <= num_micro_batches <= batch size before splitting")
+
+
+def assert_pipelined_training_matches(step_fn, batch_size: int, m: int, devices=("cpu", "cpu"),
+                                      steps: int = 3) -> None:
+    """``steps`` SGD steps with ``step_fn`` on m micro-batches equal full-batch training."""
+    model, reference = TwoStageNet(devices), TwoStageNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.5)
+    for step in range(1, steps + 1):
+        inputs, targets = make_batch(batch_size, seed=100 + step)
+        optimizer.zero_grad()
+        loss = step_fn(model, inputs, targets, F.mse_loss, m)
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        expected = F.mse_loss(reference(inputs), targets)
+        expected.backward()
+        reference_optimizer.step()
+        what = (f"after {step} SGD steps on batches of {batch_size} in {m} micro-batches "
+                f"{split_sizes(batch_size, m)} on {devices[0]} -> {devices[1]}")
+        assert_close(loss, expected.item(), f"{what}: loss")
+        assert_parameters_close(model, reference, f"{what}: parameter")
+
+
+@pytest.mark.task2_2
+@pytest.mark.parametrize(("batch_size", "m"), [(8, 4), (10, 4), (10, 3)],
+                         ids=["even", "uneven-4", "uneven-3"])
+def test_pipelined_training_equals_full_batch_training(ex, batch_size, m):
+    assert_pipelined_training_matches(ex.pipelined_step, batch_size, m)
+
+
+@pytest.mark.task2_2
+@pytest.mark.parametrize("devices", PIPELINE_PAIRS)
+def test_pipelined_training_equals_full_batch_training_on_device_pairs(ex, devices, no_tf32):
+    assert_pipelined_training_matches(ex.pipelined_step, 10, 3, devices=devices)
+
+
+def naive_pipelined_step(model, inputs, targets, loss_fn, m):
+    """The common mistake: every micro-batch's mean loss weighted by 1 / m."""
+    total = 0.0
+    for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True):
+        loss = loss_fn(model(x), y) / m
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def test_the_training_check_catches_a_naive_one_over_m_scaling():
+    # With equal micro-batches, 1/m *is* size/B: the naive scaling passes...
+    assert_pipelined_training_matches(naive_pipelined_step, 8, 4)
+    # ...and with unequal ones it must be caught, or the check above proves nothing.
+    with pytest.raises(AssertionError, match="after 1 SGD steps"):
+        assert_pipelined_training_matches(naive_pipelined_step, 10, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# task2_3: the bubble fraction, against a step-by-step simulation of GPipe's schedule
+
+
+def simulate_gpipe(num_stages: int, num_micro_batches: int):
+    """GPipe on a grid of time steps: returns (idle fraction, grid).
+
+    ``grid[s][t]`` is ``("F", i)``, ``("B", i)`` or None (idle). Forward: stage s runs
+    micro-batch i at step s + i. Backward, once every forward is done: the last stage first,
+    stage s runs micro-batch i's backward at step T + (p - 1 - s) + i, T the forward phase's
+    length. Every slot is one unit of work (a forward or a backward of one micro-batch on one
+    stage); the dependencies are checked, then the idle slots are counted.
+    """
+    p, m = num_stages, num_micro_batches
+    phase = m + p - 1
+    grid = [[None] * (2 * phase) for _ in range(p)]
+    when = {}
+    for s in range(p):
+        for i in range(m):
+            for kind, t in (("F", s + i), ("B", phase + (p - 1 - s) + i)):
+                assert grid[s][t] is None, "two jobs in one slot"
+                grid[s][t] = (kind, i)
+                when[kind, s, i] = t
+    for s in range(p):
+        for i in range(m):
+            if s > 0:
+                assert when["F", s, i] > when["F", s - 1, i], "a stage ran before its input"
+            if s < p - 1:
+                assert when["B", s, i] > when["B", s + 1, i], "a backward before its gradient"
+            assert when["B", s, i] > max(when["F", q, j] for q in range(p) for j in range(m))
+    idle = sum(slot is None for row in grid for slot in row)
+    return idle / (p * 2 * phase), grid
+
+
+@pytest.mark.task2_3
+@pytest.mark.parametrize("num_stages", range(1, 9))
+def test_bubble_fraction_matches_a_simulated_gpipe_schedule(ex, num_stages):
+    for m in range(1, 17):
+        got = ex.bubble_fraction(num_stages, m)
+        expected, _ = simulate_gpipe(num_stages, m)
+        assert isinstance(got, float), (
+            f"bubble_fraction({num_stages}, {m}) returned a {type(got).__name__}, expected a "
+            "Python float"
+        )
+        slots = 2 * num_stages * (m + num_stages - 1)
+        assert math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12), (
+            f"bubble_fraction(num_stages={num_stages}, num_micro_batches={m}) = {got:.6g}; the "
+            f"simulated schedule is idle {expected:.6g} of the time ({round(expected * slots)} "
+            f"of {slots} stage-steps). Count the forward phase: how many steps does it take, "
+            "and for how many of them is each stage busy?"
+        )
+
+
+@pytest.mark.task2_3
+@pytest.mark.parametrize(("num_stages", "m"), [(0, 4), (4, 0), (-1, 2), (2, -3)])
+def test_bubble_fraction_refuses_empty_schedules(ex, num_stages, m):
+    assert_refused(lambda: ex.bubble_fraction(num_stages, m),
+                   f"bubble_fraction({num_stages}, {m})", "a schedule needs p >= 1 and m >= 1")
+
+
+# --------------------------------------------------------------------------------------------
+# The lesson's claims, checked on its own scripts
+
+
+def test_the_naive_split_keeps_one_device_busy_at_a_time():
+    for p in range(1, 9):
+        idle, grid = simulate_gpipe(p, 1)
+        assert math.isclose(1 - idle, 1 / p), f"{p} stages, 1 micro-batch: utilisation {1 - idle}"
+        busy_per_step = [sum(grid[s][t] is not None for s in range(p)) for t in range(2 * p)]
+        assert busy_per_step == [1] * (2 * p), busy_per_step
+
+
+def test_the_scripts_bubble_fraction_is_the_simulated_one(sweep):
+    for p in range(1, 7):
+        for m in range(1, 13):
+            assert math.isclose(sweep.bubble_fraction(p, m), simulate_gpipe(p, m)[0])
+            assert math.isclose(sweep.ideal_speedup(p, m),
+                                (1 - simulate_gpipe(p, m)[0]) / (1 - simulate_gpipe(p, 1)[0]))
+
+
+def test_readme_bubble_table_matches_the_formula():
+    readme = (LESSONS_DIR / LESSON / "README.md").read_text()
+    rows = re.findall(r"^\| p = (\d+) \|(.+)\|$", readme, flags=re.MULTILINE)
+    header = re.search(r"^\| stages \\ micro-batches \|(.+)\|$", readme, flags=re.MULTILINE)
+    assert rows and header, "the README's bubble table is missing"
+    ms = [int(cell.strip().removeprefix("m = ")) for cell in header.group(1).split("|")]
+    for p, cells in rows:
+        for m, cell in zip(ms, cells.split("|"), strict=True):
+            expected = (int(p) - 1) / (m + int(p) - 1)
+            assert cell.strip() == f"{expected:.0%}", f"p={p}, m={m}: {cell} vs {expected:.0%}"
+
+
+@pytest.mark.parametrize("devices", DEVICE_PAIRS)
+def test_the_scripts_split_model_equals_one_device(split_model, devices, no_tf32):
+    torch.manual_seed(0)
+    layers = split_model.build_mlp(32, 4)
+    reference = copy.deepcopy(layers)
+    model = split_model.TwoDeviceModel(layers, tuple(torch.device(d) for d in devices))
+    for name, param in model.named_parameters():
+        expected = devices[0] if name.startswith("stage0.") else devices[1]
+        assert param.device == torch.device(expected), f"{name} is on {param.device}"
+    inputs, targets = split_model.make_batch(8, 32)
+    outputs = model(inputs)
+    F.mse_loss(outputs, targets.to(outputs.device)).backward()
+    reference_outputs = reference(inputs)
+    F.mse_loss(reference_outputs, targets).backward()
+    assert_close(outputs, reference_outputs, f"split_model.py {devices}: outputs")
+    # The halves keep the original layers' indices, so names differ only by the stage prefix.
+    got = {name.split(".", 1)[1]: p for name, p in model.named_parameters()}
+    assert_parameters_close(got, dict(reference.named_parameters()),
+                            f"split_model.py {devices}", grads=True)
+
+
+def test_the_scripts_split_model_puts_each_half_on_its_device(split_model):
+    model = split_model.TwoDeviceModel(split_model.build_mlp(8, 4), ("cpu", "meta"))
+    where = {name: str(p.device) for name, p in model.named_parameters()}
+    assert {d for n, d in where.items() if n.startswith("stage0.")} == {"cpu"}, where
+    assert {d for n, d in where.items() if n.startswith("stage1.")} == {"meta"}, where
+    halves = [sum(n.startswith(f"stage{k}.") for n in where) for k in (0, 1)]
+    assert halves == [4, 4], f"4 layers should split 2 and 2 (weight and bias each): {halves}"
+
+
+@pytest.mark.parametrize(("gpus", "expected"), [(0, ["cpu", "cpu"]), (1, ["cuda:0", "cpu"]),
+                                                (2, ["cuda:0", "cuda:1"]),
+                                                (4, ["cuda:0", "cuda:1"])])
+def test_the_scripts_pick_the_best_device_pair(split_model, sweep, monkeypatch, gpus, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for script in (split_model, sweep):
+        assert [str(d) for d in script.pick_device_pair()] == expected, script.__name__
+
+
+def test_the_sweeps_gpipe_step_trains_like_the_full_batch(sweep):
+    devices = [torch.device("cpu")] * 2
+    stages = sweep.build_stages(8, 4, devices)
+    reference = nn.Sequential(*copy.deepcopy(stages))
+    optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.1,
+                                momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    for step in (1, 2, 3):
+        inputs, targets = torch.randn(10, 8, generator=g), torch.randn(10, 8, generator=g)
+        optimizer.zero_grad()
+        loss = sweep.gpipe_step(stages, devices, inputs, targets, 4)  # 3, 3, 2, 2
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        expected = F.mse_loss(reference(inputs), targets)
+        expected.backward()
+        reference_optimizer.step()
+        assert_close(loss, expected.detach(), f"gpipe_step loss at step {step}")
+        got = {f"{k}.{n}": p for k, s in enumerate(stages) for n, p in s.named_parameters()}
+        assert_parameters_close(got, dict(reference.named_parameters()),
+                                f"after {step} SGD steps, gpipe_step with 4 micro-batches")
+
+
+def test_the_sweeps_gpipe_step_follows_the_clock_schedule(sweep):
+    devices = [torch.device("cpu")] * 3
+    stages = sweep.build_stages(8, 3, devices)
+    order = []
+    for k, stage in enumerate(stages):
+        stage.register_forward_pre_hook(lambda _m, _args, k=k: order.append(k))
+    inputs = torch.randn(6, 8)
+    sweep.gpipe_step(stages, devices, inputs, torch.randn(6, 8), 3)
+    # Clock t runs stage s on micro-batch t - s: (0), (1, 0), (2, 1, 0) by micro-batch...
+    expected = [s for t in range(3 + 3 - 1) for s in range(3) if 0 <= t - s < 3]
+    assert order == expected, f"stages ran in the order {order}, expected {expected}"
+
+
+def test_batchnorm_breaks_the_micro_batch_equivalence(sweep):
+    """The README's caveat: in training mode BatchNorm normalises each micro-batch by its own
+    statistics, so micro-batching changes the result (LayerNorm does not)."""
+    devices = [torch.device("cpu")] * 2
+    g = torch.Generator().manual_seed(4)
+    inputs, targets = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    for norm, equal in ((nn.BatchNorm1d, False), (nn.LayerNorm, True)):
+        torch.manual_seed(0)
+        stages = [nn.Sequential(nn.Linear(6, 6), norm(6)), nn.Sequential(nn.Linear(6, 6))]
+        whole = copy.deepcopy(stages)
+        loss_micro = sweep.gpipe_step(stages, devices, inputs, targets, 4)
+        loss_whole = sweep.gpipe_step(whole, devices, inputs, targets, 1)
+        assert torch.allclose(loss_micro, loss_whole) == equal, (norm.__name__, loss_micro,
+                                                                 loss_whole)
+
+
+# --------------------------------------------------------------------------------------------
+# The scripts run, and print what the README says
+
+
+# Both scripts are started together, once, when the first of their tests asks: each spends
+# most of its time importing torch, and two cores do that for both at once.
+SCRIPT_RUNS = {
+    "split_model.py": ["--width", "32", "--depth", "4", "--batch-size", "16", "--steps", "3"],
+    "pipeline_sweep.py": ["--width", "16", "--depth", "4", "--batch-size", "30",
+                          "--micro-batches", "1,2,4,64", "--steps", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("scripts")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = {}
+    for name, args in SCRIPT_RUNS.items():
+        command = [sys.executable, str(LESSONS_DIR / LESSON / name), *args,
+                   "--result", str(folder / f"{name}.json")]
+        started[name] = subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    yield started, folder
+    for process in started.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_the_scripts_early(request):
+    """When the script checks are selected, start the scripts with this module's first test,
+    so that they import torch while the other checks run."""
+    if any(item.get_closest_marker("slow") and getattr(item, "module", None) is request.module
+           for item in request.session.items):
+        request.getfixturevalue("script_runs")
+
+
+def script_output(script_runs, name: str, timeout: float = 120) -> tuple[str, dict]:
+    """The stdout of ``name`` (started by the fixture) and the JSON it wrote to --result."""
+    started, folder = script_runs
+    process = started[name]
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"{name} ran past {timeout:.0f} s:\n{out}\n{err}")
+    args = " ".join(SCRIPT_RUNS[name])
+    assert process.returncode == 0, (
+        f"{name} {args} exited with {process.returncode}:\n{out}\n{err}"
+    )
+    return out, json.loads((folder / f"{name}.json").read_text())
+
+
+def expected_pair() -> list[str]:
+    gpus = cuda_device_count()
+    return ["cuda:0", "cuda:1"] if gpus >= 2 else ["cuda:0", "cpu"] if gpus else ["cpu", "cpu"]
+
+
+@pytest.mark.slow
+def test_split_model_prints_placement_and_step_time(script_runs):
+    out, data = script_output(script_runs, "split_model.py")
+    first, second = expected_pair()
+    assert f"stages on {first} -> {second}" in out, out
+    assert "where each parameter lives" in out, out
+    assert re.search(rf"stage0\.0\.weight +\(32, 32\) +on {first}", out), out
+    assert re.search(rf"stage1\.\d+\.weight +\(32, 32\) +on {second}", out), out
+    assert "step 3/3" in out and re.search(r"step time [\d.]+ ms \(median of 2", out), out
+    assert data["devices"] == [first, second]
+    assert {d for n, d in data["parameter_devices"].items() if n.startswith("stage0.")} == {first}
+    assert {d for n, d in data["parameter_devices"].items() if n.startswith("stage1.")} == {second}
+    assert data["losses"][-1] < data["losses"][0], data["losses"]
+
+
+@pytest.mark.slow
+def test_pipeline_sweep_prints_a_row_per_micro_batch_count(script_runs):
+    out, data = script_output(script_runs, "pipeline_sweep.py")
+    first, second = expected_pair()
+    assert f"2 stages on {first} -> {second}" in out, out
+    rows = data["rows"]
+    assert [row["micro_batches"] for row in rows] == [1, 2, 4], "m=64 > batch 30 is dropped"
+    assert [f"{row['bubble']:.1%}" for row in rows] == ["50.0%", "33.3%", "20.0%"]
+    for row in rows:
+        assert row["step_ms"] > 0
+        assert row["grad_max_diff"] < 1e-5, f"m={row['micro_batches']}: gradients differ"
+        assert re.search(rf"^ +{row['micro_batches']} +{row['micro_batch_size']} +[\d.]+ ", out,
+                         flags=re.MULTILINE), out
+    if first == second == "cpu":
+        assert "One device executes the stages one after another" in out, out
+        assert "CUDA kernels are queued asynchronously on each device" in out, out
+
+
+def test_pipeline_sweep_plot_needs_matplotlib_only_when_asked(sweep, tmp_path, monkeypatch,
+                                                              capsys):
+    path = tmp_path / "sweep.png"
+    args = ["--devices", "cpu,cpu", "--width", "8", "--depth", "2", "--batch-size", "4",
+            "--micro-batches", "1,2", "--steps", "1", "--plot", str(path)]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        available = False
+    else:
+        available = True
+    if available:
+        assert sweep.main(args) == 0
+        assert path.stat().st_size > 0, "no plot was written"
+    # Without matplotlib (imitated when it is installed), --plot is refused in one line, at once.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    capsys.readouterr()
+    assert sweep.main(args) == 2
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib" in captured.err and "pip install matplotlib" in captured.err
+    assert captured.out == "", "the sweep should not run when the plot cannot be drawn"
