@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from harness import ranks
 from harness.exercises import REPO_ROOT, solutions_mode
-from harness.launch import LaunchError, run_script
+from harness.launch import LaunchError, run_script, start_script
 from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
 
 PROBE = Path(__file__).with_name("probes") / "launch_probe.py"
@@ -250,3 +250,17 @@ def test_runner_timeout_kills_every_rank():
 def test_runner_reports_a_failing_script_with_its_output():
     with pytest.raises(LaunchError, match=r"exited with 1(.|\n)*deliberate failure"):
         run_script(PROBE, "--fail", launcher="python")
+
+
+@pytest.mark.slow
+def test_runner_reports_a_stub_reached_in_a_launched_rank_as_not_attempted():
+    with pytest.raises(NotImplementedError, match=r"task9_2: .*\(reached in a launched process\)"):
+        run_script(PROBE, "--stub", launcher="torchrun", nproc=2)
+
+
+@pytest.mark.slow
+def test_started_scripts_run_concurrently_and_are_collected_later():
+    start = time.monotonic()
+    runs = [start_script(PROBE, launcher="python") for _ in range(3)]
+    assert time.monotonic() - start < 1, "start_script must not wait for the script"
+    assert [run.result().data["world_size"] for run in runs] == [1, 1, 1]

@@ -7,10 +7,7 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module
 from harness.hardware import cuda_device_count, gpu_marks, needs_gpus
+from harness.launch import run_script
 
 LESSON = "00_single_gpu"
 LESSON_DIR = REPO_ROOT / "lessons" / LESSON
@@ -444,18 +442,11 @@ def test_train_py_refuses_cuda_without_a_gpu_in_one_line(train, monkeypatch, cap
     assert "--device cpu" in err, f"the message should say what to do instead: {err}"
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
-
-
 @pytest.mark.slow
-def test_train_script_runs_and_writes_its_result(tmp_path):
-    result_path = tmp_path / "r.json"
-    run = run_script(str(LESSON_DIR / "train.py"), "--epochs", "2", "--result", str(result_path))
-    assert run.returncode == 0, f"train.py exited {run.returncode}:\n{run.stderr[-3000:]}"
-    assert "epoch 2/2" in run.stdout, run.stdout
-    result = json.loads(result_path.read_text())
+def test_train_script_runs_and_writes_its_result():
+    run = run_script(LESSON_DIR / "train.py", "--epochs", "2")  # adds --result, reads it back
+    assert "epoch 2/2" in run.output, run.output
+    result = run.data
     assert result["device"] == ("cuda" if cuda_device_count() else "cpu")
     assert len(result["train_loss"]) == len(result["val_loss"]) == 2
     assert result["train_loss"][1] < result["train_loss"][0]
@@ -467,11 +458,9 @@ def test_train_script_runs_and_writes_its_result(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("device_name", ON_CPU_AND_GPU)
 def test_fast_one_device_prints_its_ladder(device_name):
-    run = run_script(str(LESSON_DIR / "fast_one_device.py"), "--device", device_name,
+    out = run_script(LESSON_DIR / "fast_one_device.py", "--device", device_name,
                      "--width", "32", "--blocks", "1", "--batch", "64", "--steps", "2",
-                     "--warmup", "1", "--no-compile")
-    assert run.returncode == 0, f"fast_one_device.py exited {run.returncode}:\n{run.stderr}"
-    out = run.stdout
+                     "--warmup", "1", "--no-compile", result=False).output
     for expected in ("ms/step", "samples/s", "TFLOP/s", "fp32", "bf16 autocast",
                      "bf16 autocast, batch x2", "skipped (--no-compile)"):
         assert expected in out, f"expected {expected!r} in the output:\n{out}"

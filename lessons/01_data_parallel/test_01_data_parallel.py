@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -24,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.compare import assert_close, assert_parameters_close
-from harness.exercises import LESSONS_DIR, REPO_ROOT, load_exercise
+from harness.exercises import LESSONS_DIR, load_exercise
 from harness.hardware import cuda_device_count, gpu_marks, needs_gpus
+from harness.launch import run_script
 
 LESSON = "01_data_parallel"
 
@@ -536,19 +534,10 @@ def test_real_data_parallel_returns_one_loss_per_replica(no_tf32):
 # The lesson's scripts run, and print what the README says.
 
 
-def run_script(name: str, *args: str, timeout: float = 120) -> str:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # These runs check what the scripts print, not their speed. One CPU thread keeps them quick
-    # when other work shares the cores (several spinning threads are far slower then).
-    env.setdefault("OMP_NUM_THREADS", "1")
-    done = subprocess.run(
-        [sys.executable, str(LESSONS_DIR / LESSON / name), *args],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    assert done.returncode == 0, (
-        f"{name} {' '.join(args)} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}"
-    )
-    return done.stdout
+def script_output(name: str, *args: str) -> str:
+    """What a lesson script prints (harness.launch runs it with one CPU thread and a timeout:
+    these runs check what the scripts print, not their speed)."""
+    return run_script(LESSONS_DIR / LESSON / name, *args, result=False).output
 
 
 @pytest.mark.slow
@@ -557,7 +546,8 @@ def test_where_the_batch_goes_prints_the_split():
     # No GPU: 3 replicas by hand. One GPU: device_ids=[0, 0]. Several: up to 3 distinct GPUs.
     replicas = 3 if gpus == 0 else max(2, min(3, gpus))
     sizes = chunk_sizes(10, replicas)
-    out = run_script("where_the_batch_goes.py", "--batch-size", "10", "--replicas", str(replicas))
+    out = script_output("where_the_batch_goes.py", "--batch-size", "10",
+                        "--replicas", str(replicas))
     assert f"a batch of 10 on {replicas} replicas: chunk sizes {sizes}" in out, out
     if gpus == 0:
         assert "nn.DataParallel is a pass-through" in out, out
@@ -575,7 +565,7 @@ def test_where_the_batch_goes_prints_the_split():
 @pytest.mark.slow
 def test_train_reports_throughput_and_matching_weights(tmp_path):
     result_path = tmp_path / "train.json"
-    out = run_script("train.py", "--steps", "5", "--hidden", "64", "--batch-size", "64",
+    out = script_output("train.py", "--steps", "5", "--hidden", "64", "--batch-size", "64",
                      "--result", str(result_path))
     assert "one device" in out and "samples/s" in out, out
     result = json.loads(result_path.read_text())
@@ -593,6 +583,6 @@ def test_train_reports_throughput_and_matching_weights(tmp_path):
 
 @pytest.mark.slow
 def test_walkthrough_runs_as_a_script():
-    out = run_script("walkthrough.py")
+    out = script_output("walkthrough.py")
     assert "10 samples on 3 GPUs -> [4, 4, 2]" in out, out
     assert "the model's own gradients after backward: [None, None, None, None]" in out, out

@@ -12,11 +12,8 @@ need.
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -27,12 +24,12 @@ from torch import nn
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import (
     LESSONS_DIR,
-    REPO_ROOT,
     load_exercise,
     load_lesson_module,
     task_of,
 )
 from harness.hardware import cuda_device_count, gpu_marks
+from harness.launch import start_script
 
 LESSON = "02_model_parallel"
 META = torch.device("meta")  # tensors with a shape and no data: where a tensor is, made visible
@@ -670,20 +667,12 @@ SCRIPT_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def script_runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("scripts")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    started = {}
-    for name, args in SCRIPT_RUNS.items():
-        command = [sys.executable, str(LESSONS_DIR / LESSON / name), *args,
-                   "--result", str(folder / f"{name}.json")]
-        started[name] = subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    yield started, folder
-    for process in started.values():
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
+def script_runs():
+    runs = {name: start_script(LESSONS_DIR / LESSON / name, *args)
+            for name, args in SCRIPT_RUNS.items()}
+    yield runs
+    for run in runs.values():
+        run.stop()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -695,21 +684,10 @@ def start_the_scripts_early(request):
         request.getfixturevalue("script_runs")
 
 
-def script_output(script_runs, name: str, timeout: float = 120) -> tuple[str, dict]:
-    """The stdout of ``name`` (started by the fixture) and the JSON it wrote to --result."""
-    started, folder = script_runs
-    process = started[name]
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        pytest.fail(f"{name} ran past {timeout:.0f} s:\n{out}\n{err}")
-    args = " ".join(SCRIPT_RUNS[name])
-    assert process.returncode == 0, (
-        f"{name} {args} exited with {process.returncode}:\n{out}\n{err}"
-    )
-    return out, json.loads((folder / f"{name}.json").read_text())
+def script_output(script_runs, name: str) -> tuple[str, dict]:
+    """The output of ``name`` (started by the fixture) and the JSON it wrote to --result."""
+    run = script_runs[name].result()
+    return run.output, run.data
 
 
 def expected_pair() -> list[str]:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_exercise, load_lesson_module
 from harness.hardware import needs_gpus
-from harness.launch import run_script
+from harness.launch import run_script, start_script
 from harness.ranks import group_params, run_on_ranks
 
 LESSON = "03_ddp"
@@ -136,10 +136,20 @@ def test_distributed_sampler_order_changes_with_epoch_and_agrees_across_ranks():
 # ----------------------------------------------------------------------------- task3_2 init
 
 
+CHECK_INIT = f"lessons/{LESSON}/check_init_from_env.py"
+
+
+@pytest.fixture(scope="module")
+def init_checks():
+    """Both launches of the init check, started together."""
+    return {"torchrun": start_script(CHECK_INIT, launcher="torchrun", nproc=2),
+            "bad environments": start_script(CHECK_INIT, "--bad-environments", timeout=60)}
+
+
 @pytest.mark.slow
 @pytest.mark.task3_2
-def test_init_from_env_under_torchrun():
-    run = run_script(f"lessons/{LESSON}/check_init_from_env.py", launcher="torchrun", nproc=2)
+def test_init_from_env_under_torchrun(init_checks):
+    run = init_checks["torchrun"].result()
     gpus = torch.cuda.device_count()
     backend = "nccl" if gpus >= 2 else "gloo"
     for rank, info in enumerate(run.data["ranks"]):
@@ -156,9 +166,8 @@ def test_init_from_env_under_torchrun():
 
 @pytest.mark.slow
 @pytest.mark.task3_2
-def test_init_from_env_rejects_bad_environments():
-    run = run_script(f"lessons/{LESSON}/check_init_from_env.py", "--bad-environments",
-                     timeout=60)
+def test_init_from_env_rejects_bad_environments(init_checks):
+    run = init_checks["bad environments"].result()
     expectations = {
         "no launcher": ["torchrun"],
         "only RANK and WORLD_SIZE": ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"],
@@ -374,23 +383,35 @@ def load_trained(parameters: dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def single_process_run():
-    """The script as plain python, global batch 16 in one process."""
-    return run_script(SCRIPT, "--batch-size", "16", launcher="python")
+def script_runs(tmp_path_factory):
+    """The training script under every launcher, all started at once (most of each launch is
+    importing torch, which overlaps well), with the same global batch of 16."""
+    checkpoint = tmp_path_factory.mktemp("checkpoint") / "model.pt"
+    runs = {
+        "python": start_script(SCRIPT, "--batch-size", "16"),
+        "torchrun": start_script(SCRIPT, "--batch-size", "8", "--checkpoint", str(checkpoint),
+                                 launcher="torchrun", nproc=2),
+        # python -m torch.distributed.launch, which passes --local-rank=N
+        "launch": start_script(SCRIPT, "--batch-size", "8", launcher="launch", nproc=2),
+        "spawn": start_script(f"lessons/{LESSON}/train_spawn.py", "--nprocs", "2",
+                              "--batch-size", "8"),
+    }
+    yield runs, checkpoint
+    for run in runs.values():
+        run.stop()
 
 
 @pytest.mark.slow
-def test_script_under_torchrun_equals_single_process(single_process_run, tmp_path):
-    checkpoint = tmp_path / "ckpt" / "model.pt"
-    run = run_script(SCRIPT, "--batch-size", "8", "--checkpoint", str(checkpoint),
-                     launcher="torchrun", nproc=2)
+def test_script_under_torchrun_equals_single_process(script_runs):
+    runs, checkpoint = script_runs
+    run, single = runs["torchrun"].result(), runs["python"].result()
     assert run.data["world_size"] == 2 and run.data["global_batch"] == 16
     assert run.data["backend"] == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
     assert_parameters_close(load_trained(run.data["parameters"]),
-                            load_trained(single_process_run.data["parameters"]),
+                            load_trained(single.data["parameters"]),
                             what="final parameter, 2 ranks x 8 vs 1 process x 16")
-    assert_close(torch.tensor(run.data["losses"]),
-                 torch.tensor(single_process_run.data["losses"]), "epoch losses")
+    assert_close(torch.tensor(run.data["losses"]), torch.tensor(single.data["losses"]),
+                 "epoch losses")
     # Progress is printed by rank 0 only.
     assert any("epoch 0" in line for line in run.rank_lines(0))
     assert not any("epoch" in line for line in run.rank_lines(1))
@@ -405,26 +426,24 @@ def test_script_under_torchrun_equals_single_process(single_process_run, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["launch", "spawn"])
-def test_older_launchers_train_the_same_model(single_process_run, launcher):
-    if launcher == "spawn":
-        run = run_script(f"lessons/{LESSON}/train_spawn.py", "--nprocs", "2", "--batch-size",
-                         "8", launcher="python")
-    else:  # python -m torch.distributed.launch, which passes --local-rank=N
-        run = run_script(SCRIPT, "--batch-size", "8", launcher="launch", nproc=2)
+def test_older_launchers_train_the_same_model(script_runs, launcher):
+    runs, _ = script_runs
+    run, single = runs[launcher].result(), runs["python"].result()
     assert run.data["world_size"] == 2
     assert_parameters_close(load_trained(run.data["parameters"]),
-                            load_trained(single_process_run.data["parameters"]),
+                            load_trained(single.data["parameters"]),
                             what=f"final parameter under {launcher}")
 
 
 @pytest.mark.slow
 @needs_gpus(1, "nccl world 1 under torchrun")
-def test_script_on_a_gpu_equals_the_cpu_run(single_process_run):
+def test_script_on_a_gpu_equals_the_cpu_run(script_runs):
+    single = script_runs[0]["python"].result()
     run = run_script(SCRIPT, "--batch-size", "16", launcher="torchrun", nproc=1)
     assert run.data["backend"] == "nccl" and run.data["device"] == "cuda:0"
     # Different kernels sum in a different order: allow fp32 rounding to accumulate a little.
     assert_parameters_close(load_trained(run.data["parameters"]),
-                            load_trained(single_process_run.data["parameters"]),
+                            load_trained(single.data["parameters"]),
                             what="final parameter, GPU vs CPU", rtol=1e-4, atol=1e-5)
 
 

@@ -126,7 +126,7 @@ class ProgressReport:
             for task in sorted(self.tasks[lesson], key=_task_order):
                 by_status[_task_status(self.tasks[lesson][task])].append(task)
             total = sum(len(v) for v in by_status.values())
-            parts = [f"{len(by_status['passed'])}/{total} tasks passed"]
+            parts = [f"{len(by_status['passed'])}/{total} tasks passed"] if total else []
             for status, label in (("failed", "failing"), ("not attempted", "not attempted"),
                                   ("skipped", "skipped for hardware")):
                 if by_status[status]:

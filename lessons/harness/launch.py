@@ -6,6 +6,9 @@
     result.data["losses"]      # what rank 0 wrote to the file passed as --result
     result.output              # stdout and stderr, each line tagged "[default<rank>]:" by torchrun
 
+``start_script`` (same arguments) starts a script and returns at once, so that a test module
+can start all its launches together and collect each with ``.result()``.
+
 The script runs in its own process session, so a timeout kills the launcher and every rank it
 started: nothing is left behind. ``torchrun --standalone`` picks a free port itself.
 """
@@ -20,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from harness.exercises import REPO_ROOT, TASK_ID
@@ -51,64 +55,116 @@ class LaunchResult:
         return [line[len(tag):] for line in self.output.splitlines() if line.startswith(tag)]
 
 
+class Launch:
+    """A script started in the background: ``.result()`` waits for it (within its timeout).
+
+    Most of a launch is Python importing torch, which overlaps well even on two cores, so a
+    test module can start its launches together and collect them one by one.
+    """
+
+    def __init__(self, script: str | os.PathLike, *args: str, launcher: str = "python",
+                 nproc: int = 1, result: bool = True, timeout: float = LAUNCH_TIMEOUT,
+                 env: dict | None = None, check: bool = True):
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}, not {launcher!r}")
+        script = Path(script)
+        if not script.is_absolute():
+            script = REPO_ROOT / script
+        command = [sys.executable, *LAUNCHERS[launcher]]
+        if launcher != "python":
+            command.append(f"--nproc-per-node={nproc}")
+        command += [str(script), *args]
+        self._tmp = tempfile.TemporaryDirectory(prefix="course-launch-")
+        self._result_path = Path(self._tmp.name) / "result.json" if result else None
+        if self._result_path:
+            command += ["--result", str(self._result_path)]
+        self.command, self.timeout, self.check = command, timeout, check
+        self._deadline = time.monotonic() + timeout
+        self._log = open(Path(self._tmp.name) / "output.txt", "w+")  # a pipe could fill up
+        child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                     **(env or {})}
+        self._proc = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env, stdout=self._log,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True)
+        self._outcome: LaunchResult | BaseException | None = None
+
+    def result(self) -> LaunchResult:
+        """Wait for the script; raise LaunchError if it failed or ran past its timeout."""
+        if self._outcome is None:
+            try:
+                self._outcome = self._finish()
+            except BaseException as exc:
+                self._outcome = exc
+                if not isinstance(exc, (LaunchError, NotImplementedError)):
+                    raise  # Ctrl-C or pytest-timeout: don't remember it
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+    def _finish(self) -> LaunchResult:
+        try:
+            self._proc.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise LaunchError(
+                f"{_show(self.command)} ran past its {self.timeout:.0f} s timeout (a hang?) "
+                f"and was stopped. Its output:\n{self._read_output()}"
+            ) from None
+        except BaseException:
+            self.stop()  # take every rank down with us
+            raise
+        output = self._read_output()
+        path = self._result_path
+        data = json.loads(path.read_text()) if path and path.exists() else None
+        self._tmp.cleanup()
+        outcome = LaunchResult(self.command, self._proc.returncode, output, data)
+        if self.check and self._proc.returncode != 0:
+            stub = _STUB_IN_OUTPUT.search(output)
+            if stub:  # an untouched exercise reached inside a launched rank: "not attempted"
+                raise NotImplementedError(f"{stub.group(1)} (reached in a launched process)")
+            raise LaunchError(
+                f"{_show(self.command)} exited with {self._proc.returncode}. "
+                f"Its output:\n{output}"
+            )
+        if self.check and path and data is None:
+            raise LaunchError(f"{_show(self.command)} wrote no result file. Its output:\n{output}")
+        return outcome
+
+    def _read_output(self) -> str:
+        self._log.seek(0)
+        output = self._log.read()
+        self._log.close()
+        return output
+
+    def stop(self) -> None:
+        """Kill the launcher and every process it started."""
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
+
+
+def start_script(script: str | os.PathLike, *args: str, **options) -> Launch:
+    """Start ``script`` now and return at once; see :class:`Launch` and :func:`run_script`."""
+    return Launch(script, *args, **options)
+
+
 def run_script(script: str | os.PathLike, *args: str, launcher: str = "python", nproc: int = 1,
                result: bool = True, timeout: float = LAUNCH_TIMEOUT, env: dict | None = None,
                check: bool = True) -> LaunchResult:
     """Run ``script`` with ``launcher`` ('python', 'torchrun' or 'launch') on ``nproc`` ranks.
 
     With ``result=True`` the script gets ``--result <file>`` and the JSON it writes there is
-    returned in ``.data``. With ``check=True`` a non-zero exit raises :class:`LaunchError`.
+    returned in ``.data``. With ``check=True`` a non-zero exit raises :class:`LaunchError`
+    (or ``NotImplementedError`` when an untouched exercise stub stopped it).
     """
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}, not {launcher!r}")
-    script = Path(script)
-    if not script.is_absolute():
-        script = REPO_ROOT / script
-    command = [sys.executable, *LAUNCHERS[launcher]]
-    if launcher != "python":
-        command.append(f"--nproc-per-node={nproc}")
-    command += [str(script), *args]
-    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    with tempfile.TemporaryDirectory(prefix="course-launch-") as tmp:
-        result_path = Path(tmp) / "result.json"
-        if result:
-            command += ["--result", str(result_path)]
-        proc = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=child_env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_session(proc)
-            output, _ = proc.communicate()
-            raise LaunchError(
-                f"{_show(command)} ran past its {timeout:.0f} s timeout (a hang?) and was "
-                f"stopped. Its output:\n{output}"
-            ) from None
-        except BaseException:
-            _kill_session(proc)  # Ctrl-C or pytest-timeout: take every rank down with us
-            raise
-        data = json.loads(result_path.read_text()) if result and result_path.exists() else None
-    outcome = LaunchResult(command, proc.returncode, output, data)
-    if check and proc.returncode != 0:
-        stub = _STUB_IN_OUTPUT.search(output)
-        if stub:  # an untouched exercise reached inside a launched rank: "not attempted"
-            raise NotImplementedError(f"{stub.group(1)} (reached in a launched process)")
-        raise LaunchError(f"{_show(command)} exited with {proc.returncode}. Its output:\n{output}")
-    if check and result and data is None:
-        raise LaunchError(f"{_show(command)} wrote no result file. Its output:\n{output}")
-    return outcome
+    return Launch(script, *args, launcher=launcher, nproc=nproc, result=result,
+                  timeout=timeout, env=env, check=check).result()
 
 
 _STUB_IN_OUTPUT = re.compile(r"NotImplementedError: (" + TASK_ID.pattern + r"[^\n]*)")
-
-
-def _kill_session(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _show(command: list[str]) -> str:

@@ -14,6 +14,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--result")
 parser.add_argument("--hang", action="store_true")
 parser.add_argument("--fail", action="store_true")
+parser.add_argument("--stub", action="store_true")
 parser.add_argument("--local-rank", "--local_rank", type=int, default=None)
 args = parser.parse_args()
 
@@ -22,6 +23,8 @@ world_size = int(os.environ.get("WORLD_SIZE", 1))
 print(f"probe rank {rank} of {world_size}", flush=True)
 if args.fail:
     raise SystemExit("deliberate failure")
+if args.stub and rank == 1:
+    raise NotImplementedError("task9_2: the exercise a launched rank reached")
 if args.hang:
     time.sleep(3600)
 if rank == 0 and args.result:
