@@ -20,7 +20,7 @@ How it stays bounded and clean:
   rebuilt, since the other ranks may be stuck in a collective;
 - workers die with the parent (``PR_SET_PDEATHSIG`` on Linux) and are killed on timeout, on
   Ctrl-C and at exit: no orphans;
-- CPU pools fork (fast); CUDA pools spawn, and the parent never initialises CUDA.
+- CPU pools fork (fast) unless this process has initialised CUDA; CUDA pools spawn.
 
 The function runs as ``fn(ctx, *args, **kwargs)`` where ``ctx`` is a :class:`RankContext`. It is
 sent by file path and name, not pickled, so it must be defined at module level; arguments and
@@ -177,6 +177,15 @@ def _describe(exc: BaseException, context: str = "") -> dict:
 # ----------------------------------------------------------------------------- parent side
 
 
+def _default_start_method(device: str) -> str:
+    """fork starts a CPU pool in milliseconds, but CUDA cannot survive a fork: CUDA pools
+    spawn, and so does a CPU pool once this process has initialised CUDA itself (an earlier
+    GPU test), since its forked children would inherit a CUDA state they cannot use."""
+    if device == "cuda" or torch.cuda.is_initialized():
+        return "spawn"
+    return "fork"
+
+
 class RankPool:
     """``world_size`` worker processes in one process group, reused across calls."""
 
@@ -191,8 +200,7 @@ class RankPool:
             raise RuntimeError(f"cannot start {backend}/{device} ranks: {reason}")
         self.world_size, self.backend, self.device = world_size, backend, device
         self.pg_timeout = pg_timeout
-        # fork is ~10x faster to start; CUDA cannot survive a fork, so CUDA pools spawn.
-        self.start_method = start_method or ("spawn" if device == "cuda" else "fork")
+        self.start_method = start_method or _default_start_method(device)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._tmpdir: str | None = None
