@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -239,10 +240,14 @@ def test_runner_returns_rank_zero_result_and_tagged_output(launcher, nproc):
 @pytest.mark.slow
 def test_runner_timeout_kills_every_rank():
     start = time.monotonic()
-    with pytest.raises(LaunchError, match="timeout"):
-        run_script(PROBE, "--hang", launcher="torchrun", nproc=2, timeout=5)
+    with pytest.raises(LaunchError, match="timeout") as info:
+        run_script(PROBE, "--hang", launcher="torchrun", nproc=2, timeout=8)
     assert time.monotonic() - start < 20
-    time.sleep(0.5)
+    # torchrun puts each rank in a session of its own: they are not our children, so look
+    # for the very processes the probe reported.
+    ranks = [int(pid) for pid in re.findall(r"probe rank \d of 2 pid (\d+)", str(info.value))]
+    assert len(ranks) == 2, f"the probe's ranks did not report in time:\n{info.value}"
+    assert not [pid for pid in ranks if _alive(pid)], "rank processes survived the timeout"
     assert _children() == set()
 
 

@@ -137,13 +137,42 @@ class Launch:
         return output
 
     def stop(self) -> None:
-        """Kill the launcher and every process it started."""
-        if self._proc.poll() is None:
+        """Kill the launcher and every process it started.
+
+        torchrun starts each rank in a session of its own, so killing the launcher's process
+        group is not enough: freeze the launcher (it cannot start or restart ranks then), kill
+        every descendant, then the launcher."""
+        if self._proc.poll() is not None:
+            return
+        try:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return
+        for pid in [*_descendants(self._proc.pid), self._proc.pid]:
             try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self._proc.wait()
+        self._proc.wait()
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (Linux /proc), deepest first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found[::-1]
 
 
 def start_script(script: str | os.PathLike, *args: str, **options) -> Launch:
