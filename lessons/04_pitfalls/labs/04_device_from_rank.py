@@ -1,0 +1,102 @@
+"""Pitfall 4 · the global rank used as the GPU index, or no ``set_device``: GPU 0 gets it all.
+
+Run it: the symptom, then the fix.
+
+    torchrun --standalone --nproc-per-node=2 lessons/04_pitfalls/labs/04_device_from_rank.py
+    torchrun --standalone --nproc-per-node=2 lessons/04_pitfalls/labs/04_device_from_rank.py --fix
+
+RANK numbers the processes of the whole job; LOCAL_RANK numbers them on this machine, and
+only LOCAL_RANK is a GPU index. On one machine the two coincide, so ``cuda:RANK`` seems to
+work until the second machine asks for cuda:2 and cuda:3 on a board with two GPUs. And
+without ``torch.cuda.set_device(local_rank)``, every bare ``"cuda"`` (``.cuda()``,
+``.to("cuda")``, a tensor a dataset creates in ``__init__``) means cuda:0 in every process.
+
+Without GPUs the lab shows the index each rule picks on an emulated job of 2 machines x 2
+GPUs; with GPUs it also shows where each rank's tensors really land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# What torchrun sets on 2 machines with 2 processes each (--nnodes=2 --nproc-per-node=2).
+TWO_MACHINES = [{"RANK": str(node * 2 + local), "LOCAL_RANK": str(local),
+                 "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}
+                for node in range(2) for local in range(2)]
+
+
+def gpu_index(env: dict, fix: bool) -> int:
+    """The GPU a process picks: the global rank (the mistake) or the local rank (the fix)."""
+    return int(env["LOCAL_RANK"] if fix else env["RANK"])
+
+
+def demo(fix: bool) -> dict:
+    """On this rank: the emulated layout's choices, and where a bare "cuda" tensor lands."""
+    facts = {"rank": dist.get_rank(), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+             "emulated": [gpu_index(env, fix) for env in TWO_MACHINES]}
+    if torch.cuda.is_available():
+        if fix:
+            torch.cuda.set_device(facts["local_rank"])  # before anything touches CUDA
+        # What the blog-style code does: a bare "cuda" (here, a dataset built in __init__).
+        facts["bare_cuda_tensor"] = str(torch.zeros(1).to("cuda").device)
+    return facts
+
+
+def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
+    """(symptom seen?, one-line verdict) from every rank's facts."""
+    emulated = facts[0]["emulated"]
+    bad = any(index >= 2 for index in emulated)  # each machine has cuda:0 and cuda:1 only
+    landed = sorted({f["bare_cuda_tensor"] for f in facts if "bare_cuda_tensor" in f})
+    if bad:
+        where = f"; this machine's ranks put their tensors on {landed}" if landed else ""
+        return True, (f"SYMPTOM: on machine 1 the processes ask for cuda:{emulated[2]} and "
+                      f"cuda:{emulated[3]}, but it has cuda:0 and cuda:1{where} (rerun with --fix)")
+    if len(facts) > 1 and len(landed) == 1:
+        return True, f"SYMPTOM: every rank's tensors landed on {landed[0]}"
+    where = f"; this machine's ranks use {landed}" if landed else ""
+    return False, f"FIXED: every process picks cuda:LOCAL_RANK {emulated}{where}"
+
+
+def start() -> tuple[int, int]:
+    """Join the group torchrun describes (gloo), or make a group of one under plain python."""
+    timeout = datetime.timedelta(seconds=30)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fix", action="store_true", help="use LOCAL_RANK and set_device")
+    parser.add_argument("--result", type=Path, help="rank 0 writes the facts here as JSON")
+    args = parser.parse_args(argv)
+    rank, world_size = start()
+    facts = [None] * world_size
+    dist.all_gather_object(facts, demo(args.fix))
+    symptom, verdict = summarize(facts, args.fix)
+    if rank == 0:  # progress from rank 0 only
+        print("emulated job, 2 machines x 2 GPUs:")
+        for env, index in zip(TWO_MACHINES, facts[0]["emulated"], strict=True):
+            print(f"  RANK {env['RANK']}  LOCAL_RANK {env['LOCAL_RANK']}  ->  cuda:{index}")
+        for f in facts:
+            print(f"this job: rank {f['rank']} (local rank {f['local_rank']}): "
+                  f"bare 'cuda' tensor on {f.get('bare_cuda_tensor', 'n/a (no GPU)')}")
+        print(f"verdict: {verdict}")
+        if args.result:
+            args.result.write_text(json.dumps({"symptom": symptom, "verdict": verdict,
+                                               "ranks": facts}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Pitfall 5 · a collective inside ``if rank == 0:``: the other ranks never come.
+
+Run it: the symptom, then the fix.
+
+    torchrun --standalone --nproc-per-node=2 lessons/04_pitfalls/labs/05_rank0_collective.py
+    torchrun --standalone --nproc-per-node=2 lessons/04_pitfalls/labs/05_rank0_collective.py --fix
+
+A collective (barrier, all_reduce, broadcast, even an evaluation helper that all-reduces its
+metric) completes only when every rank calls it. Put one inside ``if rank == 0:`` and rank 0
+waits for partners that have gone on to the next training step, where they wait for rank 0 in
+DDP's all-reduce. Both sides wait until the process group's timeout (30 minutes by default;
+this lab sets ``--timeout`` seconds), then fail. The fix: only the work goes inside the ``if``;
+the barrier comes after it, called by every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (see start(): imported before the group exists)
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train_step(model: DDP, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    optimizer.zero_grad()
+    model(inputs).pow(2).mean().backward()  # DDP all-reduces the gradients: every rank must come
+    optimizer.step()
+
+
+def demo(fix: bool, folder: str) -> dict:
+    """Train a step, save a checkpoint from rank 0, train another step."""
+    rank = dist.get_rank()
+    model = DDP(nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = Path(folder) / "checkpoint.pt"
+    train_step(model, optimizer, rank)
+    if fix:
+        if rank == 0:
+            torch.save(model.module.state_dict(), path)
+        dist.barrier()  # every rank: nobody goes on before the file is complete
+    else:
+        if rank == 0:
+            torch.save(model.module.state_dict(), path)
+            dist.barrier()  # the mistake: only rank 0 calls it
+    train_step(model, optimizer, rank)  # the next step: every rank all-reduces again
+    weight = model.module.weight.detach().clone()
+    del model, optimizer
+    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    return {"rank": rank, "weight": weight.tolist()}
+
+
+def shared_folder() -> str:
+    """A temporary folder that rank 0 creates and every rank knows."""
+    name = [tempfile.mkdtemp(prefix="lab05-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def start(timeout: float) -> tuple[int, int]:
+    """Join the group torchrun describes (gloo), or make a group of one under plain python.
+
+    torch.distributed.nn is imported above, before the group exists, on purpose: DDP imports it
+    on first use, and its functions then keep the group as a default argument, so
+    destroy_process_group cannot free it and the process may abort at exit ("terminate called
+    without an active exception")."""
+    limit = datetime.timedelta(seconds=timeout)  # a hang becomes an error after this long
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo", timeout=limit)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=limit)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fix", action="store_true", help="call the barrier on every rank")
+    parser.add_argument("--timeout", type=float, default=5.0, help="process-group timeout, s")
+    parser.add_argument("--result", type=Path, help="rank 0 writes the outcome here as JSON")
+    args = parser.parse_args(argv)
+    rank, world_size = start(args.timeout)
+    folder = shared_folder()
+    began = time.monotonic()
+    try:
+        demo(args.fix, folder)
+        symptom, verdict = False, "FIXED: every rank passed the barrier and trained on"
+        if world_size == 1:
+            verdict = "NOT SHOWN: one rank has no partner to miss; start 2 ranks with torchrun"
+    except RuntimeError as error:  # this rank waited --timeout seconds, then torch gave up
+        symptom = True
+        reason = str(error).splitlines()[0].split("] ", 1)[-1]  # without gloo's source line
+        verdict = (f"SYMPTOM: rank {rank} waited {time.monotonic() - began:.1f} s for partners "
+                   f"that never came, then: {reason} (rerun with --fix)")
+    gc.collect()
+    if rank == 0 or symptom:  # normally rank 0 speaks; a rank that failed speaks for itself
+        print(f"verdict: {verdict}", flush=True)
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        if args.result:
+            args.result.write_text(json.dumps({"symptom": symptom, "verdict": verdict}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

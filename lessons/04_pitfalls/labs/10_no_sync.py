@@ -1,0 +1,129 @@
+"""Pitfall 10 · gradient accumulation without ``no_sync``: an all-reduce on every micro-step.
+
+Run it: the symptom, then the fix.
+
+    torchrun --standalone --nproc-per-node=2 lessons/04_pitfalls/labs/10_no_sync.py
+    torchrun --standalone --nproc-per-node=2 lessons/04_pitfalls/labs/10_no_sync.py --fix
+
+To step once per k micro-batches you call backward k times and let the gradients add up. Under
+DDP every backward also all-reduces every gradient, so k micro-steps cost k rounds of
+communication where one would do: all-reduce is linear, so averaging the sum once gives the
+same result as summing k averages. ``with model.no_sync():`` turns the all-reduce off for the
+backward passes inside it; the last micro-step runs outside it and syncs the accumulated sum.
+
+A communication hook (``model.register_comm_hook``) counts what DDP all-reduces. Either way,
+with each micro-batch's loss divided by k, the accumulated gradient equals the gradient of
+one batch of all k x world-size micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (see start(): imported before the group exists)
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def micro_batches(rank: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator))
+            for _ in range(k)]
+
+
+def counting_hook(counter: dict):
+    """A DDP comm hook: count the gradient elements each all-reduce carries, then all-reduce."""
+    def hook(state, bucket):
+        counter["buckets"] += 1
+        counter["elements"] += bucket.buffer().numel()
+        return default_hooks.allreduce_hook(state, bucket)
+    return hook
+
+
+def demo(fix: bool, k: int = 4) -> dict:
+    """Accumulate k micro-batches on this rank; count the all-reduces; check the gradient."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = DDP(make_model())
+    counter = {"buckets": 0, "elements": 0}
+    model.register_comm_hook(None, counting_hook(counter))  # None: the default group
+    batches = micro_batches(rank, k)
+    for step, (inputs, targets) in enumerate(batches):
+        last = step == k - 1
+        with model.no_sync() if fix and not last else contextlib.nullcontext():
+            loss = nn.functional.mse_loss(model(inputs), targets) / k  # mean over micro-steps
+            loss.backward()
+    gradients = {name: p.grad.clone() for name, p in model.module.named_parameters()}
+    # One process, one batch holding every rank's micro-batches: what accumulation must equal.
+    reference = make_model()
+    everything = [b for r in range(world_size) for b in micro_batches(r, k)]
+    inputs, targets = (torch.cat(parts) for parts in zip(*everything, strict=True))
+    nn.functional.mse_loss(reference(inputs), targets).backward()
+    gap = max((gradients[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
+    parameters = sum(p.numel() for p in model.parameters())
+    del model
+    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    return {"rank": rank, "micro_steps": k, "bucket_all_reduces": counter["buckets"],
+            "sync_rounds": counter["elements"] / parameters, "gap_to_full_batch": gap}
+
+
+def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
+    """(symptom seen?, one-line verdict) from every rank's facts."""
+    f = facts[0]
+    gap = max(g["gap_to_full_batch"] for g in facts)
+    what = (f"every gradient was all-reduced {f['sync_rounds']:g} time(s) "
+            f"({f['bucket_all_reduces']} bucket all-reduces) in {f['micro_steps']} micro-steps; "
+            f"the gradient equals the full batch's to {gap:.1g}")
+    if f["sync_rounds"] > 1:
+        return True, f"SYMPTOM: {what} (rerun with --fix)"
+    return False, f"FIXED: {what}"
+
+
+def start() -> tuple[int, int]:
+    """Join the group torchrun describes (gloo), or make a group of one under plain python.
+
+    torch.distributed.nn is imported above, before the group exists, on purpose: DDP imports it
+    on first use, and its functions then keep the group as a default argument, so
+    destroy_process_group cannot free it and the process may abort at exit ("terminate called
+    without an active exception")."""
+    timeout = datetime.timedelta(seconds=30)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fix", action="store_true", help="no_sync on all but the last step")
+    parser.add_argument("--result", type=Path, help="rank 0 writes the facts here as JSON")
+    args = parser.parse_args(argv)
+    rank, world_size = start()
+    facts = [None] * world_size
+    dist.all_gather_object(facts, demo(args.fix))
+    symptom, verdict = summarize(facts, args.fix)
+    if rank == 0:  # progress from rank 0 only
+        print(f"verdict: {verdict}")
+        if args.result:
+            args.result.write_text(json.dumps({"symptom": symptom, "verdict": verdict,
+                                               "ranks": facts}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

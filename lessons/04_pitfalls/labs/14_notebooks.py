@@ -1,0 +1,148 @@
+"""Pitfall 14 · notebooks: why the cell fails or hangs, and the safe way to launch from one.
+
+Run it with plain python: the symptoms, then the fix.
+
+    python lessons/04_pitfalls/labs/14_notebooks.py
+    python lessons/04_pitfalls/labs/14_notebooks.py --fix
+
+A notebook kernel is one long-lived process whose ``__main__`` is not a file. Two things go
+wrong there:
+
+- ``torch.multiprocessing.spawn(work, ...)`` starts fresh interpreters that must import
+  ``work`` by name; a function defined in a cell lives in no file, so every child dies with
+  "Can't get attribute 'work' on <module '__main__'>" (the kernel's terminal shows it, the
+  notebook often shows only a generic error, or the cell sits at [*]). Code that runs at
+  import, without an ``if __name__ == "__main__":`` guard, runs again in every child.
+- ``dist.init_process_group(..., world_size=2)`` in the kernel waits for a second process
+  that nobody starts: the cell hangs for the whole timeout (30 minutes by default).
+
+The fix: keep the training code in a script with a ``__main__`` guard (``%%writefile
+train.py`` in a notebook) and start it with ``torchrun`` as a subprocess with a timeout
+(``subprocess.run([...], timeout=...)`` or ``!torchrun ...``). The kernel stays one process,
+and a crash or a hang ends the subprocess, not the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+# What a learner types into a notebook cell: a worker function and mp.spawn.
+NOTEBOOK_CELL = """
+import torch.multiprocessing as mp
+
+def work(rank):
+    print(f"rank {rank} is training")
+
+mp.spawn(work, nprocs=2)
+"""
+
+# The same work as a script, with the guard: what %%writefile train.py would hold.
+TRAINING_SCRIPT = """
+import torch
+import torch.distributed as dist
+
+
+def main():
+    dist.init_process_group("gloo")
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    if dist.get_rank() == 0:
+        print(f"{dist.get_world_size()} ranks trained; all-reduce gave {total.item():g}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def start_cell() -> subprocess.Popen:
+    """Start running NOTEBOOK_CELL as a kernel does: as code with no file behind ``__main__``."""
+    return subprocess.Popen([sys.executable, "-c", NOTEBOOK_CELL], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def cell_outcome(cell: subprocess.Popen, timeout: float = 120) -> dict:
+    """Wait for the cell; its exit code and the error its spawned children reported."""
+    _, stderr = cell.communicate(timeout=timeout)
+    missing = re.search(r"Can't get attribute '\w+' on <module '__main__'[^>]*>", stderr)
+    error = f"AttributeError: {missing.group(0)}" if missing else stderr.strip()[-300:]
+    return {"returncode": cell.returncode, "error": error}
+
+
+def init_without_partners(timeout: float = 2.0) -> str:
+    """``init_process_group`` for 2 ranks with only this process: what it raises, and when."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    began = time.monotonic()
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=2, timeout=datetime.timedelta(seconds=timeout))
+    except Exception as error:  # noqa: BLE001 - the error is what the lab shows
+        return f"after {time.monotonic() - began:.1f} s: {type(error).__name__}: {error}"
+    dist.destroy_process_group()
+    return "joined (unexpected)"
+
+
+def launch_from_notebook(script: Path, nproc: int = 2, timeout: float = 120) -> dict:
+    """The safe pattern: torchrun in a subprocess, with a timeout; returns its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(script)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {"returncode": run.returncode, "output": run.stdout.strip()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fix", action="store_true", help="launch a guarded script with "
+                        "torchrun in a subprocess")
+    parser.add_argument("--result", type=Path, help="writes the outcome here as JSON")
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ:  # started by torchrun: this lab is about not being there
+        if os.environ["RANK"] == "0":
+            print("verdict: NOT SHOWN: this lab plays a notebook kernel; run it with python")
+        return
+    if args.fix:
+        with tempfile.TemporaryDirectory() as folder:
+            script = Path(folder) / "train.py"
+            script.write_text(TRAINING_SCRIPT)  # a notebook: %%writefile train.py
+            facts = {"launch": launch_from_notebook(script)}
+        print(f"torchrun exited with {facts['launch']['returncode']}: "
+              f"{facts['launch']['output']}")
+        ok = facts["launch"]["returncode"] == 0
+        symptom = not ok
+        verdict = ("FIXED: the guarded script ran on 2 ranks under torchrun, started as a "
+                   "subprocess; this process stayed one process" if ok
+                   else "NOT FIXED: torchrun failed")
+    else:
+        cell = start_cell()
+        facts = {"init": init_without_partners()}  # while the cell's children start
+        facts["spawn"] = cell_outcome(cell)
+        print(f"mp.spawn from a cell: exit code {facts['spawn']['returncode']}: "
+              f"{facts['spawn']['error']}")
+        print(f"init_process_group(world_size=2) alone: {facts['init']}")
+        symptom = facts["spawn"]["returncode"] != 0 and "Timed out" in facts["init"]
+        verdict = ("SYMPTOM: the spawned children cannot find a function defined in a cell, "
+                   "and a lone init_process_group waits for partners (rerun with --fix)"
+                   if symptom else "NOT SHOWN: the cell's spawn worked")
+    print(f"verdict: {verdict}")
+    if args.result:
+        args.result.write_text(json.dumps({"symptom": symptom, "verdict": verdict, **facts}))
+
+
+if __name__ == "__main__":
+    main()
