@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.exercises import LESSONS_DIR, REPO_ROOT
+from harness.exercises import LESSONS_DIR, REPO_ROOT, lesson_names
 
-LESSONS = sorted(p.name for p in LESSONS_DIR.iterdir() if re.match(r"\d\d_", p.name))
+LESSONS = lesson_names()
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

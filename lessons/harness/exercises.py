@@ -42,6 +42,11 @@ def strict_mode() -> bool:
     return _flag(STRICT_ENV)
 
 
+def lesson_names() -> list[str]:
+    """The lesson folders, in course order: ``00_single_gpu``, ``01_data_parallel``, ..."""
+    return sorted(p.name for p in LESSONS_DIR.iterdir() if re.match(r"\d\d_", p.name))
+
+
 def exercise_path(lesson: str, name: str = "exercises") -> Path:
     """The file that is graded for ``lesson``: ``lessons/<lesson>/<name>.py`` or its solution."""
     root = SOLUTIONS_DIR if solutions_mode() else LESSONS_DIR
