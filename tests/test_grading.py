@@ -80,6 +80,9 @@ def test_learner_mode_skips_untouched_stubs_and_prints_progress(demo):
     assert "failing: task9_3" in line
     assert "not attempted: task9_1, task9_4" in line
     assert "lesson checks: 1 passed" in line
+    # The table ends with the concrete next command: the first unfinished task, in task order.
+    assert "Next: task9_1 is not attempted yet." in out, out
+    assert "    pytest lessons/99_demo -m task9_1" in out, out
 
 
 def test_strict_mode_fails_untouched_stubs(demo):
@@ -92,6 +95,11 @@ def test_one_task_can_be_selected(demo):
     run = run_pytest(demo, "-m", "task9_2")
     assert run.returncode == 0, run.stdout
     assert "1 passed, 4 deselected" in run.stdout
+    # The lesson's totals stay the lesson's, and the rest is named as not graded in this run.
+    line = next(line for line in run.stdout.splitlines() if line.startswith("99_demo"))
+    assert "1/4 tasks passed" in line, line
+    assert "not graded in this run: task9_1, task9_3, task9_4" in line, line
+    assert "Grade the rest:  pytest lessons/99_demo" in run.stdout, run.stdout
 
 
 def test_solutions_flag_reaches_the_environment(demo):

@@ -17,6 +17,7 @@ def _where(what: str, rank: int | None) -> str:
 
 def assert_close(actual, expected, what: str, rank: int | None = None, **tolerances) -> None:
     """Assert two tensors (or numbers) are close; the message names ``what`` and ``rank``."""
+    __tracebackhide__ = True  # a learner's traceback ends at the test's line, not in here
     where = _where(what, rank)
     if not isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
         raise AssertionError(
@@ -48,8 +49,28 @@ def assert_close(actual, expected, what: str, rank: int | None = None, **toleran
         raise AssertionError(
             f"{where}: {mismatched} of {a.numel()} values differ; largest difference "
             f"{diff.reshape(-1)[flat].item():.3g} at index {list(index)}: got {got:.6g}, "
-            f"expected {want:.6g}"
+            f"expected {want:.6g}{_diagnosis(a, e)}"
         ) from None
+
+
+def _diagnosis(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """A one-line guess when every value is off by the same whole factor (a world size, say)."""
+    big = expected.double().abs() > 1e-6
+    if int(big.sum()) < 2:
+        return ""
+    ratio = actual.double()[big] / expected.double()[big]
+    mean = float(ratio.mean())
+    if float((ratio - mean).abs().max()) > 1e-3 * max(1.0, abs(mean)):
+        return ""
+    for factor in (mean, 1 / mean if mean else 0.0):
+        whole = round(factor)
+        if whole >= 2 and abs(factor - whole) < 1e-3 * whole:
+            if factor is mean:
+                return (f". Every value is {whole}x the expected one: did you sum over {whole} "
+                        f"ranks (or micro-batches) without dividing by their number?")
+            return (f". Every value is 1/{whole} of the expected one: did you divide by "
+                    f"{whole} once too often?")
+    return ""
 
 
 def _isclose_args(tolerances: dict) -> dict:
@@ -70,6 +91,7 @@ def named_tensors(source) -> dict[str, torch.Tensor]:
 def assert_parameters_close(actual, expected, what: str = "parameter", rank: int | None = None,
                             grads: bool = False, **tolerances) -> None:
     """Compare every named parameter (or its ``.grad`` with ``grads=True``) of two models."""
+    __tracebackhide__ = True
     got, want = named_tensors(actual), named_tensors(expected)
     if set(got) != set(want):
         raise AssertionError(

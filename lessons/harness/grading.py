@@ -100,6 +100,15 @@ class ProgressReport:
         # lesson -> task id -> outcomes of its tests; lesson -> counts for checks of no task
         self.tasks: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         self.checks: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        # lesson -> tasks that `-m` / `-k` left out of this run, so the totals stay the lesson's
+        self.not_run: dict[str, set[str]] = defaultdict(set)
+
+    def pytest_deselected(self, items):
+        for item in items:
+            match = LESSON_DIR.search(item.nodeid.replace(os.sep, "/"))
+            if match:
+                self.not_run[match.group(1)].update(
+                    mark.name for mark in item.iter_markers() if TASK_MARK.match(mark.name))
 
     def pytest_runtest_logreport(self, report):
         if report.when != "call" and not (report.failed or report.skipped):
@@ -121,20 +130,34 @@ class ProgressReport:
         write = terminalreporter.write_line
         graded = "solutions/" if solutions_mode() else "your files in lessons/"
         terminalreporter.section(f"course progress (grading {graded})", sep="=")
+        unfinished: list[tuple[str, str, str]] = []  # (lesson, task, status), in course order
         for lesson in sorted(set(self.tasks) | set(self.checks)):
             by_status: dict[str, list[str]] = defaultdict(list)
             for task in sorted(self.tasks[lesson], key=_task_order):
-                by_status[_task_status(self.tasks[lesson][task])].append(task)
-            total = sum(len(v) for v in by_status.values())
+                status = _task_status(self.tasks[lesson][task])
+                by_status[status].append(task)
+                if status in ("failed", "not attempted"):
+                    unfinished.append((lesson, task, status))
+            not_run = sorted(self.not_run[lesson] - set(self.tasks[lesson]), key=_task_order)
+            total = sum(len(v) for v in by_status.values()) + len(not_run)
             parts = [f"{len(by_status['passed'])}/{total} tasks passed"] if total else []
             for status, label in (("failed", "failing"), ("not attempted", "not attempted"),
                                   ("skipped", "skipped for hardware")):
                 if by_status[status]:
                     parts.append(f"{label}: {', '.join(by_status[status])}")
+            if not_run:
+                parts.append(f"not graded in this run: {', '.join(not_run)}")
             if self.checks[lesson]:
                 counts = ", ".join(f"{n} {k}" for k, n in sorted(self.checks[lesson].items()))
                 parts.append(f"lesson checks: {counts}")
             write(f"{lesson:<20} " + "; ".join(parts))
-        if any("not attempted" in outcomes
-               for lesson in self.tasks.values() for outcomes in lesson.values()):
-            write("Work on one task and re-grade it:  pytest lessons/NN_name -m taskN_M")
+        if unfinished:
+            lesson, task, status = min(unfinished, key=lambda u: _task_order(u[1]))
+            what = "fails" if status == "failed" else "is not attempted yet"
+            write(f"Next: {task} {what}. Edit lessons/{lesson}/exercises.py (search for "
+                  f"{task}), then run:")
+            write(f"    pytest lessons/{lesson} -m {task}")
+        elif any(self.not_run.values()):
+            lessons = " ".join(f"lessons/{name}" for name in sorted(self.not_run)
+                               if self.not_run[name])
+            write(f"Every task graded in this run passed. Grade the rest:  pytest {lessons}")
