@@ -269,3 +269,12 @@ def test_started_scripts_run_concurrently_and_are_collected_later():
     runs = [start_script(PROBE, launcher="python") for _ in range(3)]
     assert time.monotonic() - start < 1, "start_script must not wait for the script"
     assert [run.result().data["world_size"] for run in runs] == [1, 1, 1]
+
+
+def test_torchrun_launches_use_the_console_script_a_learner_types():
+    """A broken ``torchrun`` entry point must fail the tests, not hide behind ``python -m``."""
+    from harness.launch import LAUNCHERS
+
+    script = Path(sys.executable).with_name("torchrun")
+    expected = str(script) if script.is_file() else sys.executable
+    assert LAUNCHERS["torchrun"][0] == expected

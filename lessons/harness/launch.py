@@ -28,13 +28,20 @@ from pathlib import Path
 
 from harness.exercises import REPO_ROOT, TASK_ID
 
+def _torchrun_command() -> list[str]:
+    """The ``torchrun`` a learner types: the console script beside this Python, so that a broken
+    one is caught; ``python -m torch.distributed.run`` (the same code) only where it is missing."""
+    script = Path(sys.executable).with_name("torchrun")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+
+
 LAUNCH_TIMEOUT = 120.0  # seconds; a launch takes 2-3 s on a 2-core CPU, ~15 s on a GPU machine
 
+# --tee 3 tags every line of every rank with its local rank: "[default1]: ..."
 LAUNCHERS = {
-    "python": [],
-    # --tee 3 tags every line of every rank with its rank: "[default1]: ..."
-    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--tee", "3"],
-    "launch": ["-m", "torch.distributed.launch", "--standalone", "--tee", "3"],
+    "python": [sys.executable],
+    "torchrun": [*_torchrun_command(), "--standalone", "--tee", "3"],
+    "launch": [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--tee", "3"],
 }
 
 
@@ -70,7 +77,7 @@ class Launch:
         script = Path(script)
         if not script.is_absolute():
             script = REPO_ROOT / script
-        command = [sys.executable, *LAUNCHERS[launcher]]
+        command = list(LAUNCHERS[launcher])
         if launcher != "python":
             command.append(f"--nproc-per-node={nproc}")
         command += [str(script), *args]
@@ -197,6 +204,7 @@ _STUB_IN_OUTPUT = re.compile(r"NotImplementedError: (" + TASK_ID.pattern + r"[^\
 
 
 def _show(command: list[str]) -> str:
-    shown = ["python" if part == sys.executable else part for part in command]
+    names = {LAUNCHERS["torchrun"][0]: "torchrun", sys.executable: "python"}
+    shown = [names.get(part, part) for part in command]
     return " ".join(str(Path(p).relative_to(REPO_ROOT)) if p.startswith(str(REPO_ROOT)) else p
                     for p in shown)
