@@ -1,0 +1,162 @@
+"""The course runs on exactly what ``pip install -r requirements.txt`` installs.
+
+CI runs these in a clean virtual environment built from requirements.txt alone (.ci/venv), so a
+dependency that only a developer's machine has (numpy, once) fails here instead of on every new
+learner's first ``pytest``:
+- every third-party import in the course comes from a distribution requirements.txt names;
+- every module imports in a fresh process;
+- every lesson script runs once, at its smallest size, the way a learner starts it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.exercises import REPO_ROOT
+from harness.launch import start_script
+
+COURSE_FILES = sorted(p for folder in ("lessons", "solutions", "tests")
+                      for p in (REPO_ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+FIRST_PARTY = {"harness"} | {p.stem for p in COURSE_FILES}
+# Imported only on request, with a clear message when missing; not needed to learn or grade.
+OPTIONAL = {"matplotlib": "pipeline_sweep.py --plot (the script says how to install it)"}
+
+# Each lesson script, run once the way a learner starts it, at its smallest size.
+# (launcher, nproc, arguments); the labs run their fixed version (lesson 04's tests run the bugs).
+SCRIPT_RUNS: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "00_single_gpu/train.py": ("python", 1, ("--epochs", "1")),
+    "00_single_gpu/fast_one_device.py": (
+        "python", 1, ("--device", "cpu", "--width", "32", "--blocks", "1", "--batch", "16",
+                      "--steps", "2", "--warmup", "1", "--no-compile")),
+    "01_data_parallel/train.py": ("python", 1, ("--steps", "2", "--batch-size", "32",
+                                                "--hidden", "16")),
+    "01_data_parallel/where_the_batch_goes.py": ("python", 1, ("--batch-size", "6",
+                                                               "--replicas", "2")),
+    "02_model_parallel/split_model.py": ("python", 1, ("--width", "16", "--batch-size", "8",
+                                                       "--steps", "2")),
+    "02_model_parallel/pipeline_sweep.py": ("python", 1, (
+        "--width", "16", "--batch-size", "8", "--micro-batches", "1,2", "--steps", "1")),
+    "03_ddp/train_ddp.py": ("torchrun", 2, ("--epochs", "1", "--samples", "32")),
+    "03_ddp/train_spawn.py": ("python", 1, ("--nprocs", "2")),
+    "03_ddp/check_init_from_env.py": ("torchrun", 2, ()),
+    "04_pitfalls/doctor.py": ("torchrun", 2, ("--timeout", "30", "--sizes", "1")),
+    **{f"04_pitfalls/labs/{p.name}": ("torchrun", 2, ("--fix",))
+       for p in sorted((REPO_ROOT / "lessons/04_pitfalls/labs").glob("[0-9]*.py"))},
+}
+SCRIPTS_AT_ONCE = 3  # most of a launch is importing torch; three overlap well on two cores
+
+
+def _requirement_names() -> set[str]:
+    names = set()
+    for line in (REPO_ROOT / "requirements.txt").read_text().splitlines():
+        match = re.match(r"\s*([A-Za-z0-9_.-]+)", line.split("#")[0])
+        if match:
+            names.add(_normal(match.group(1)))
+    return names
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imported_top_level_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_requirements_install_every_third_party_import():
+    required = _requirement_names()
+    distributions = importlib.metadata.packages_distributions()
+    unlisted = {}
+    for path in COURSE_FILES:
+        for module in _imported_top_level_modules(path) - FIRST_PARTY - set(OPTIONAL):
+            if module in sys.stdlib_module_names:
+                continue
+            providers = {_normal(d) for d in distributions.get(module, [])}
+            if not providers & required:
+                unlisted.setdefault(module, []).append(str(path.relative_to(REPO_ROOT)))
+    assert not unlisted, (
+        f"imported but not installed by requirements.txt (add them there): {unlisted}")
+
+
+def test_requirements_include_numpy_which_torch_does_not_install():
+    """torch needs numpy for ``.numpy()`` and for the object collectives (``all_gather_object``
+    pickles through ``tensor.numpy()``), yet does not install it: without it a lesson 04 lab and
+    the doctor crash with "Numpy is not available"."""
+    torch_requires = importlib.metadata.requires("torch") or []
+    assert not any(_normal(r).startswith("numpy") for r in torch_requires), (
+        "torch now installs numpy itself: the requirements line may say so")
+    assert "numpy" in _requirement_names()
+
+
+IMPORT_EVERYTHING = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {lessons!r})
+from harness.exercises import load_path
+for name in {files!r}:
+    path = Path(name)
+    sys.path.insert(0, str(path.parent))  # as when the file runs as a script
+    try:
+        load_path(path)
+    except BaseException as error:
+        print(f"{{path}}: {{type(error).__name__}}: {{error}}")
+        raise SystemExit(1)
+    finally:
+        sys.path.pop(0)
+print("imported", len({files!r}))
+"""
+
+
+def test_every_module_imports_in_a_fresh_process():
+    # Walkthroughs run top to bottom when imported (tests/test_docs.py runs them); conftests
+    # and the launch probe are not importable modules.
+    files = [str(p) for p in COURSE_FILES if p.name not in ("walkthrough.py", "conftest.py")
+             and "probes" not in p.parts and "wrong_answers" not in p.parts]
+    code = IMPORT_EVERYTHING.format(lessons=str(REPO_ROOT / "lessons"), files=files)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=180)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+
+
+def test_the_script_table_lists_every_lesson_script():
+    lessons = REPO_ROOT / "lessons"
+    scripts = {str(p.relative_to(lessons)) for p in lessons.rglob("*.py")
+               if p.parent.name != "harness" and not p.name.startswith(("test_", "exercises"))
+               and p.name != "walkthrough.py"}
+    assert scripts == set(SCRIPT_RUNS), (
+        f"add to SCRIPT_RUNS: {sorted(scripts - set(SCRIPT_RUNS))}; "
+        f"gone: {sorted(set(SCRIPT_RUNS) - scripts)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_lesson_script_runs_at_its_smallest_size():
+    failures, timings = {}, {}
+    pending = list(SCRIPT_RUNS.items())
+    while pending:
+        batch, pending = pending[:SCRIPTS_AT_ONCE], pending[SCRIPTS_AT_ONCE:]
+        started = {name: (time.monotonic(), start_script(
+            f"lessons/{name}", *args, launcher=launcher, nproc=nproc, result=False, check=False,
+            timeout=120)) for name, (launcher, nproc, args) in batch}
+        for name, (began, launch) in started.items():
+            run = launch.result()
+            timings[name] = round(time.monotonic() - began, 1)
+            if run.returncode != 0:
+                failures[name] = run.output[-2500:]
+    print(json.dumps(timings, indent=1))
+    assert not failures, "\n\n".join(f"== {name} ==\n{out}" for name, out in failures.items())
