@@ -7,11 +7,7 @@ are for CI and teachers, not part of a learner's default ``pytest`` run.
 from __future__ import annotations
 
 import inspect
-import os
 import re
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -25,48 +21,9 @@ from harness.exercises import (
     load_path,
 )
 from harness.grading import HARDWARE_SKIP_PREFIX
+from harness.selfcheck import exercise_files, run_lesson_tests, tasks_of
 
 LESSONS = lesson_names()
-STUB_TASK = re.compile(r'NotImplementedError\(\s*f?["\'](task\d+_\d+):')
-
-
-def tasks_of(lesson: str) -> list[str]:
-    """Task ids, in order, from the stubs of a lesson's exercise files."""
-    found: list[str] = []
-    for path in sorted((LESSONS_DIR / lesson).glob("exercises*.py")):
-        for task in STUB_TASK.findall(path.read_text()):
-            if task not in found:
-                found.append(task)
-    return found
-
-
-def exercise_files(lesson: str) -> list[str]:
-    return sorted(p.name for p in (LESSONS_DIR / lesson).glob("exercises*.py"))
-
-
-def run_lesson_tests(lesson: str, tmp_path: Path, *args: str, **env: str) -> dict:
-    """Run a lesson's tests in a subprocess; return {nodeid: (outcome, message)}."""
-    report = tmp_path / "report.xml"
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("COURSE_SOLUTIONS", "COURSE_STRICT")}
-    environment.update(env)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", f"lessons/{lesson}", "-q",
-         f"--junitxml={report}", *args],
-        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600,
-    )
-    assert report.exists(), f"pytest produced no report:\n{run.stdout}\n{run.stderr}"
-    outcomes = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        nodeid = f"{case.get('classname')}::{case.get('name')}"
-        outcome, message = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            element = case.find(kind)
-            if element is not None:
-                outcome, message = kind, element.get("message") or ""
-        outcomes[nodeid] = (outcome, message)
-    assert outcomes, f"no test ran for {lesson}:\n{run.stdout}"
-    return outcomes
 
 
 def test_there_are_lessons():
@@ -163,3 +120,36 @@ def test_task_ids_match_between_stubs_and_lesson(lesson):
         f"markers {sorted(marked)} vs stubs {tasks_of(lesson)}"
     )
     assert all(TASK_ID.fullmatch(t) for t in marked)
+
+
+# README commands CI does not run as written, and why.
+NOT_RUN_BY_CI = {
+    "git clone": "CI starts from a clone",
+    "python3 -m venv .venv": ".ci/venv builds the same clean venv, cached by requirements' hash",
+    "pip install -r requirements.txt": ".ci/venv installs requirements.txt into that venv",
+    "mkdocs serve": "CI builds the same site with mkdocs build --strict",
+    "git checkout --": "resets a learner's exercise; a fresh clone has nothing to reset",
+    "diff lessons/": "compares a learner's exercise with its answer",
+    "bash .ci/gpu-checks": "needs a GPU; run it on a GPU machine",
+}
+
+
+def readme_commands() -> list[str]:
+    """Every command line in the README's bash blocks, without comments and prompts."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        for line in block.splitlines():
+            command = line.split(" #", 1)[0].strip()
+            if command:
+                commands.extend(part.strip() for part in command.split("&&"))
+    return commands
+
+
+def test_ci_runs_every_readme_command():
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    commands = [c for c in readme_commands() if not c.startswith("cd ")
+                and not c.startswith("source ")]
+    missing = [c for c in commands if c not in ci
+               and not any(c.startswith(prefix) for prefix in NOT_RUN_BY_CI)]
+    assert commands and not missing, f"README commands .ci/run does not run: {missing}"

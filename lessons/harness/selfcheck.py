@@ -1,0 +1,132 @@
+"""Running the course's own tests from the outside, for the integrity suite under ``tests/``.
+
+- :func:`run_lesson_tests` runs one lesson's tests in a fresh ``pytest`` process (so the graded
+  mode is clean each time) and returns each test's outcome and message.
+- :func:`scratch_course` copies the course into a temporary folder, where an exercise file can be
+  replaced without touching the real one.
+- :func:`with_wrong_answer` rewrites a reference solution with one known-wrong answer in it.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from harness.exercises import LESSONS_DIR, REPO_ROOT
+
+STUB_TASK = re.compile(r'NotImplementedError\(\s*f?["\'](task\d+_\d+):')
+RUN_TIMEOUT = 300.0  # seconds for one lesson's tests; the pytest-timeout inside is shorter
+
+
+def tasks_of(lesson: str) -> list[str]:
+    """Task ids, in order, from the stubs of a lesson's exercise files."""
+    found: list[str] = []
+    for path in sorted((LESSONS_DIR / lesson).glob("exercises*.py")):
+        for task in STUB_TASK.findall(path.read_text()):
+            if task not in found:
+                found.append(task)
+    return found
+
+
+def exercise_files(lesson: str) -> list[str]:
+    return sorted(p.name for p in (LESSONS_DIR / lesson).glob("exercises*.py"))
+
+
+def run_lesson_tests(lesson: str, report_dir: Path, *args: str, root: Path = REPO_ROOT,
+                     timeout: float = RUN_TIMEOUT, **env: str) -> dict[str, tuple[str, str]]:
+    """Run ``pytest lessons/<lesson> *args`` under ``root``; return {nodeid: (outcome, text)}.
+
+    ``outcome`` is "passed", "failure", "error" or "skipped"; ``text`` is the failure's message
+    followed by its full report (or the skip reason). The grading mode comes from ``env`` only:
+    the caller's COURSE_SOLUTIONS / COURSE_STRICT are not inherited.
+    """
+    report = Path(report_dir) / f"report-{lesson}.xml"
+    report.unlink(missing_ok=True)
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("COURSE_SOLUTIONS", "COURSE_STRICT")}
+    environment.update(env)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", f"lessons/{lesson}", "-q", "-p", "no:cacheprovider",
+         f"--junitxml={report}", *args],
+        cwd=root, env=environment, capture_output=True, text=True, timeout=timeout,
+    )
+    assert report.exists(), f"pytest produced no report:\n{run.stdout}\n{run.stderr}"
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        nodeid = f"{case.get('classname')}::{case.get('name')}"
+        outcome, text = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            element = case.find(kind)
+            if element is not None:
+                outcome = kind
+                text = f"{element.get('message') or ''}\n{element.text or ''}".strip()
+        outcomes[nodeid] = (outcome, text)
+    assert outcomes, f"no test ran for {lesson}:\n{run.stdout}\n{run.stderr}"
+    return outcomes
+
+
+def scratch_course(destination: Path) -> Path:
+    """Copy what grading needs (lessons, solutions, pytest config) into ``destination``."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for folder in ("lessons", "solutions"):
+        shutil.copytree(REPO_ROOT / folder, destination / folder, ignore=ignore)
+    for name in ("pyproject.toml", "conftest.py"):
+        shutil.copy2(REPO_ROOT / name, destination / name)
+    return destination
+
+
+def _replaced(tree: ast.Module) -> dict[str, ast.stmt]:
+    return {node.name: node for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def with_wrong_answer(solution_source: str, wrong_source: str) -> str:
+    """The solution with each function or class that ``wrong_source`` defines replaced by it.
+
+    The wrong answer's own top-level imports are added after the solution's imports; its other
+    top-level statements (its docstring, TASK, EXPECT) are not copied.
+    """
+    solution_tree, wrong_tree = ast.parse(solution_source), ast.parse(wrong_source)
+    lines, wrong_lines = solution_source.splitlines(), wrong_source.splitlines()
+    targets = _replaced(solution_tree)
+    edits: list[tuple[int, int, list[str]]] = []  # (first line, last line, new lines), 1-based
+    for name, node in _replaced(wrong_tree).items():
+        if name not in targets:
+            raise ValueError(f"the wrong answer defines {name!r}, which the solution does not")
+        old = targets[name]
+        start = min([old.lineno] + [d.lineno for d in old.decorator_list])
+        new_start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        edits.append((start, old.end_lineno, wrong_lines[new_start - 1:node.end_lineno]))
+    if not edits:
+        raise ValueError("the wrong answer defines no function or class to put in the solution")
+    imports = [line for node in wrong_tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+               for line in wrong_lines[node.lineno - 1:node.end_lineno]]
+    last_import = max((n.end_lineno for n in solution_tree.body
+                       if isinstance(n, (ast.Import, ast.ImportFrom))), default=0)
+    if imports:
+        edits.append((last_import + 1, last_import, imports))  # an insertion: nothing removed
+    for start, end, new in sorted(edits, key=lambda e: e[0], reverse=True):
+        lines[start - 1:end] = new
+    return "\n".join(lines) + "\n"
+
+
+def processes_under(folder: Path) -> list[str]:
+    """Live processes whose working directory or command line is inside ``folder`` (Linux)."""
+    folder_text, found = str(folder), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cwd.startswith(folder_text) or folder_text in command:
+            found.append(f"{entry.name}: {command.strip()[:120]}")
+    return found

@@ -1,0 +1,130 @@
+"""The known-wrong-answers suite: each grader rejects the mistakes learners really make.
+
+Every file ``tests/wrong_answers/<lesson>/<task>_<what>.py`` is one wrong answer, kept as data:
+
+    \"\"\"Sums the gradients but never divides by the world size.\"\"\"   # the table's name for it
+    TASK = "task3_3"                         # the task whose grader must reject it
+    EXPECT = r"divide by the world size"     # a regex the failure message must match
+
+    def average_gradients(model): ...        # replaces the same-named function in the solution
+
+Each is put into a scratch copy of the course (the reference solution with that one function or
+class replaced) and graded there in learner mode with ``pytest lessons/<lesson> -m <task>``. It
+must fail, with a message that says what is wrong, within the time limit, leaving no process
+behind. A control run per lesson grades the unmodified solution the same way and must pass, so a
+wrong answer cannot be "caught" by a broken scratch copy. The run ends with a table (each
+test leaves its row in ``user_properties``; tests/conftest.py prints them).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from harness.exercises import SOLUTIONS_DIR, lesson_names
+from harness.selfcheck import (
+    processes_under,
+    run_lesson_tests,
+    scratch_course,
+    tasks_of,
+    with_wrong_answer,
+)
+
+WRONG_ANSWERS_DIR = Path(__file__).parent / "wrong_answers"
+WRONG_ANSWERS = sorted(WRONG_ANSWERS_DIR.glob("*/task*.py"))
+RUN_TIMEOUT = 240.0  # seconds for one graded run; most take 3-8 s
+PARALLEL_RUNS = 2  # the runs are mostly waiting for torch to import: two at once suit 2 cores
+
+
+def read_wrong_answer(path: Path) -> dict:
+    """The wrong answer's description, TASK and EXPECT, read without running it."""
+    tree = ast.parse(path.read_text())
+    constants = {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)}
+    description = ast.get_docstring(tree) or ""
+    return {"lesson": path.parent.name, "name": path.stem, "task": constants.get("TASK"),
+            "expect": constants.get("EXPECT"), "description": description.splitlines()[0]
+            if description else ""}
+
+
+def grade_in_scratch(tmp: Path, lesson: str, task: str, exercise_source: str) -> dict:
+    """Grade ``exercise_source`` as the learner's exercises.py for ``task``, in a scratch copy."""
+    root = scratch_course(tmp / "course")
+    (root / "lessons" / lesson / "exercises.py").write_text(exercise_source)
+    started = time.monotonic()
+    outcomes = run_lesson_tests(lesson, tmp, "-m", task, root=root, timeout=RUN_TIMEOUT)
+    seconds = time.monotonic() - started
+    left = processes_under(root)
+    return {"outcomes": outcomes, "seconds": seconds, "left_behind": left}
+
+
+@pytest.fixture(scope="module")
+def graded(request, tmp_path_factory):
+    """Start every selected graded run (controls and wrong answers) at once; tests collect them."""
+    selected = {item.callspec.params.get(key) for item in request.session.items
+                if hasattr(item, "callspec") for key in ("lesson", "path")}
+    pool = ThreadPoolExecutor(max_workers=PARALLEL_RUNS)
+    runs = {}
+    for lesson in lesson_names():
+        if lesson in selected:
+            solution = (SOLUTIONS_DIR / lesson / "exercises.py").read_text()
+            runs[("control", lesson)] = pool.submit(
+                grade_in_scratch, tmp_path_factory.mktemp(f"control-{lesson}"), lesson,
+                " or ".join(tasks_of(lesson)), solution)
+    for path in WRONG_ANSWERS:
+        if path in selected:
+            info = read_wrong_answer(path)
+            solution = (SOLUTIONS_DIR / info["lesson"] / "exercises.py").read_text()
+            source = with_wrong_answer(solution, path.read_text())
+            runs[path] = pool.submit(grade_in_scratch, tmp_path_factory.mktemp(path.stem),
+                                     info["lesson"], info["task"], source)
+    yield runs
+    for future in runs.values():
+        future.cancel()
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("lesson", lesson_names())
+def test_the_unmodified_solution_passes_in_a_scratch_copy(graded, lesson):
+    run = graded[("control", lesson)].result()
+    bad = {node: text[:300] for node, (outcome, text) in run["outcomes"].items()
+           if outcome in ("failure", "error")}
+    assert not bad, f"the reference solution fails in the scratch copy: {bad}"
+    assert any(outcome == "passed" for outcome, _ in run["outcomes"].values())
+    assert not run["left_behind"], f"processes left behind: {run['left_behind']}"
+
+
+def test_every_task_has_at_least_two_wrong_answers():
+    have: dict[str, int] = {}
+    for path in WRONG_ANSWERS:
+        task = read_wrong_answer(path)["task"]
+        have[task] = have.get(task, 0) + 1
+    missing = {task: have.get(task, 0) for lesson in lesson_names() for task in tasks_of(lesson)
+               if have.get(task, 0) < 2}
+    assert not missing, f"tasks with fewer than two known wrong answers: {missing}"
+
+
+@pytest.mark.parametrize("path", WRONG_ANSWERS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_the_grader_rejects_the_wrong_answer(graded, path, request):
+    info = read_wrong_answer(path)
+    assert info["task"] in tasks_of(info["lesson"]), f"{path.name}: unknown TASK {info['task']}"
+    assert info["expect"] and info["description"], f"{path.name}: needs a docstring and EXPECT"
+    run = graded[path].result()
+    failures = [text for outcome, text in run["outcomes"].values()
+                if outcome in ("failure", "error")]
+    first_line = failures[0].splitlines()[0] if failures and failures[0] else ""
+    caught = bool(failures) and any(re.search(info["expect"], text) for text in failures)
+    request.node.user_properties.append(
+        ("wrong_answer", (info["task"], info["name"], caught, run["seconds"], first_line)))
+    outcomes = {node: (outcome, text[:200]) for node, (outcome, text) in run["outcomes"].items()}
+    assert failures, f"{path.name}: the grader accepted this wrong answer: {outcomes}"
+    assert caught, (
+        f"{path.name}: rejected, but no message matches {info['expect']!r}: {failures[0][:1500]}"
+    )
+    assert not run["left_behind"], f"processes left behind: {run['left_behind']}"
+
