@@ -91,3 +91,37 @@ def test_site_works_offline(site):
     found = {url for page in site.rglob("*.html") for url in external.findall(page.read_text())}
     assert not found, f"pages load from the network: {sorted(found)}"
     assert list(site.rglob("mermaid*.js")), "mermaid must be served by the site itself"
+
+
+# A Markdown link's target: `](page.md#anchor)`, the page relative to docs/.
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def broken_links(markdown: str, site: Path) -> list[str]:
+    """The links of a docs/ page (at the top of docs/) whose page or anchor is not in the built
+    site. Pages are read from the HTML mkdocs wrote, so anchors are the ids its toc made."""
+    broken = []
+    for target in LINK.findall(markdown):
+        page, _, anchor = target.partition("#")
+        if "://" in page:
+            continue
+        html_file = site / page.removesuffix(".md").removesuffix("index") / "index.html"
+        if not page.endswith(".md") or not html_file.is_file():
+            broken.append(f"{target}: no page {page}")
+        elif anchor and f'id="{anchor}"' not in html_file.read_text():
+            broken.append(f"{target}: {page} has no heading with the id {anchor!r}")
+    return broken
+
+
+def test_every_link_on_the_questions_page_reaches_a_section(site):
+    markdown = (REPO_ROOT / "docs" / "questions.md").read_text()
+    assert len(LINK.findall(markdown)) >= 10, "the questions page should link its answers"
+    assert not broken_links(markdown, site), "\n".join(broken_links(markdown, site))
+    nav = (REPO_ROOT / "mkdocs.yml").read_text()
+    assert "questions.md" in nav and "questions.md" in (REPO_ROOT / "docs" / "index.md").read_text()
+
+
+def test_the_link_check_can_fail(site):
+    assert broken_links("[x](lessons/03_ddp.md#launching) [y](index.md)", site) == []
+    assert broken_links("[x](lessons/03_ddp.md#no-such-section)", site)
+    assert broken_links("[x](lessons/99_missing.md#launching)", site)

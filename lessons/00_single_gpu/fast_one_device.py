@@ -20,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-# On a GPU: the sizes the course measured on one H200; on a 2-core CPU: about a minute in all.
+# On a GPU: the sizes of the H200 numbers the README quotes; on a 2-core CPU: about a minute.
 CUDA_SIZES = {"width": 4096, "blocks": 4, "batch": 8192, "steps": 10}
 CPU_SIZES = {"width": 256, "blocks": 2, "batch": 512, "steps": 20}
 

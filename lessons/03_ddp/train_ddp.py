@@ -109,11 +109,13 @@ def build_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
-def parameters_digest(model: nn.Module) -> str:
+def parameter_digest(model: nn.Module) -> str:
+    """sha256 of every parameter and buffer's name, dtype, shape and exact bytes."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(bytes(t.reshape(-1).view(torch.uint8).tolist()))
     return digest.hexdigest()
 
 
@@ -156,8 +158,9 @@ def main(argv=None) -> dict:
             loss = loss_fn(model(inputs), targets)
             loss.backward()  # DDP all-reduces gradient buckets as they become ready
             optimizer.step()
-            totals += torch.stack([loss.detach().double() * len(inputs),
-                                   torch.tensor(len(inputs), dtype=torch.float64, device=device)])
+            # Summed on the device: no .item() and no new host tensor, so no wait for the GPU.
+            totals[0] += loss.detach().double() * len(inputs)
+            totals[1] += len(inputs)
         dist.all_reduce(totals)  # the loss of the whole epoch, over every rank
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -174,7 +177,7 @@ def main(argv=None) -> dict:
         "device": str(device),
         "global_batch": world_size * args.batch_size,
         "losses": losses,
-        "digest": parameters_digest(model.module),
+        "digest": parameter_digest(model.module),
         "parameters": {k: v.cpu().tolist() for k, v in model.module.state_dict().items()},
     }
     if rank == 0 and args.result:

@@ -7,8 +7,9 @@
 failure. There is no launcher, so the script plays its part: it sets RANK, WORLD_SIZE and
 the rest in each process, and picks a free port for them to meet on.
 
-Prefer torchrun: it restarts failed workers, handles several machines, and keeps launching
-out of your code. Spawn is handy where a script must be started as plain ``python``.
+Prefer torchrun: it handles several machines, can restart the workers when asked
+(``--max-restarts``; the default, 0, restarts nothing), and keeps launching out of your code.
+Spawn is handy where a script must be started as plain ``python``.
 """
 
 from __future__ import annotations

@@ -80,7 +80,9 @@ def init_from_env(backend: str = "auto") -> DistInfo:
       a minute, so that a missing peer becomes an error instead of a hang.
 
     The test runs it under ``torchrun`` and checks every field on every rank and that the group
-    works; and it checks each bad environment gets a ``RuntimeError`` that names the problem.
+    works; it checks each bad environment gets a ``RuntimeError`` that names the problem; and,
+    with CUDA and the process group faked, it plays process 3 of 2 machines x 2 GPUs (its
+    LOCAL_RANK is 1) and checks the device, the order of the calls and the timeout.
     """
     present = [name for name in LAUNCHER_VARIABLES if name in os.environ]
     if not present:
@@ -163,8 +165,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()
-        totals += torch.tensor([loss.item() * len(inputs), len(inputs)], dtype=torch.float64,
-                               device=device)
+        totals[0] += loss.detach().double() * len(inputs)  # on the device: no sync per step
+        totals[1] += len(inputs)
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
 # --8<-- [end:train_one_epoch]
@@ -186,8 +188,9 @@ class GradientBuckets:
     bucket's all-reduce, divides by the world size, copies the results back into each
     ``param.grad`` and resets for the next step. ``remove()`` removes the hooks.
 
-    The test checks the gradients equal DDP's for several steps, and that the first
-    all-reduce starts before backward has produced the last gradient.
+    The test checks the gradients equal DDP's for several steps, that the first all-reduce
+    starts before backward has produced the last gradient, and that every all-reduce started
+    during backward is asynchronous and waited on only in ``wait()``.
     """
 
     def __init__(self, model: nn.Module, bucket_size: int = 2**20):

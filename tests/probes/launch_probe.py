@@ -20,7 +20,8 @@ args = parser.parse_args()
 
 rank = int(os.environ.get("RANK", 0))
 world_size = int(os.environ.get("WORLD_SIZE", 1))
-print(f"probe rank {rank} of {world_size} pid {os.getpid()}", flush=True)
+print(f"probe rank {rank} of {world_size} pid {os.getpid()} "
+      f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
 if args.fail:
     raise SystemExit("deliberate failure")
 if args.stub and rank == 1:

@@ -1,4 +1,4 @@
-"""Pitfall 4 · the global rank used as the GPU index, or no ``set_device``: GPU 0 gets it all.
+"""Pitfall 4 · the global rank used as the GPU index, or no ``set_device`` (GPU 0 gets it all).
 
 Run it: the symptom, then the fix.
 

@@ -14,7 +14,8 @@ wrong there:
   notebook often shows only a generic error, or the cell sits at [*]). Code that runs at
   import, without an ``if __name__ == "__main__":`` guard, runs again in every child.
 - ``dist.init_process_group(..., world_size=2)`` in the kernel waits for a second process
-  that nobody starts: the cell hangs for the whole timeout (30 minutes by default).
+  that nobody starts: the cell hangs for the whole timeout (by default 30 minutes with gloo,
+  10 with NCCL).
 
 The fix: keep the training code in a script with a ``__main__`` guard (``%%writefile
 train.py`` in a notebook) and start it with ``torchrun`` as a subprocess with a timeout

@@ -9,7 +9,9 @@ Every rank runs the whole script, so every ``print`` runs W times, and the copie
 in whatever order the processes reach them. Progress and metrics belong to rank 0; compute a
 metric over all ranks first (all-reduce), then let rank 0 print it. Per-rank information
 (an error, a rank's own device) is the exception: tag it with the rank. With torchrun,
-``--tee 3`` prefixes each line with its rank, and ``--local-ranks-filter 0`` shows only rank 0.
+``--tee 3`` prefixes each line with the *local* rank (``[default0]:``, the same on every
+machine; ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'`` makes it the global rank),
+and ``--local-ranks-filter 0`` shows only local rank 0 on each machine.
 """
 
 from __future__ import annotations

@@ -1,0 +1,133 @@
+"""What the lessons say about torch's defaults and behaviour, asked of torch itself.
+
+One test per claim; each docstring names the sentence it guards. When a new torch changes one of
+these, the test fails here instead of the text quietly becoming wrong.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import io
+import os
+import subprocess
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import constants, run
+from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from harness.exercises import REPO_ROOT
+from harness.launch import LAUNCHERS
+
+
+def torchrun_args(*flags: str):
+    return run.get_args_parser().parse_args([*flags, "train.py"])
+
+
+def test_distributed_sampler_pads_with_duplicates_by_default():
+    """03 README, DistributedSampler: "`drop_last=False`, the default, is what pads" (and
+    04 lab 3: 11 samples on 2 ranks become 12)."""
+    assert inspect.signature(DistributedSampler).parameters["drop_last"].default is False
+    shards = [list(DistributedSampler(range(10), num_replicas=3, rank=r, shuffle=False))
+              for r in range(3)]
+    seen = sorted(sum(shards, []))
+    assert len(seen) == 12 and set(seen) == set(range(10)), f"no padding any more: {shards}"
+
+
+def test_ddp_broadcasts_buffers_at_every_forward_by_default(monkeypatch):
+    """03 README: "at the start of every forward, DDP broadcasts rank 0's buffers"
+    (`broadcast_buffers=True`; torch 2.13 renames it `forward_sync_buffers`); 01 README's
+    "the gradients travel, plus the buffers"."""
+    parameters = inspect.signature(DDP).parameters
+    assert parameters["broadcast_buffers"].default is True or "forward_sync_buffers" in parameters
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = DDP(nn.BatchNorm1d(3))  # buffers: running mean and variance
+        broadcasts = []
+        original = dist._broadcast_coalesced
+        monkeypatch.setattr(dist, "_broadcast_coalesced",
+                            lambda *args: broadcasts.append(args) or original(*args))
+        for _ in range(2):
+            model(torch.randn(4, 3))
+        assert len(broadcasts) == 2, f"{len(broadcasts)} buffer broadcasts in 2 forwards"
+        del model
+        gc.collect()  # DDP holds the group through reference cycles
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchrun_restarts_nothing_by_default():
+    """03 README and train_spawn.py: "`--max-restarts=N` (default 0)"."""
+    assert torchrun_args().max_restarts == 0
+    assert torchrun_args("--max-restarts=3").max_restarts == 3
+
+
+def test_torchrun_tee_prefixes_lines_with_role_and_local_rank(tmp_path):
+    """04 README, lab 15: "`torchrun --tee 3` prefixes every line with the role and the *local*
+    rank, `[default0]:`"; the global rank needs `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`;
+    `--local-ranks-filter 0` exists."""
+    args = torchrun_args("--tee", "3", "--local-ranks-filter", "0")
+    assert (args.tee, args.local_ranks_filter, args.role) == ("3", "0", "default")
+    log = tmp_path / "stdout.log"
+    log.write_text("hello\n")
+    out = io.StringIO()
+    TailLog(args.role, {1: str(log)}, out).start().stop()  # what --tee does for local rank 1
+    assert out.getvalue() == "[default1]:hello\n"
+    assert "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" in inspect.getsource(run)
+    assert "--log-line-prefix-template" not in run.get_args_parser().format_help()
+
+
+def test_nproc_per_node_gpu_counts_the_gpus_this_process_sees():
+    """03 README and setup: "`--nproc-per-node=gpu` starts one process per GPU this process can
+    see (`torch.cuda.device_count()`)"."""
+    assert torchrun_args("--nproc-per-node=gpu").nproc_per_node == "gpu"
+    if torch.cuda.is_available():
+        assert run.determine_local_world_size("gpu") == torch.cuda.device_count()
+    else:
+        with pytest.raises(ValueError, match="Cuda is not available"):
+            run.determine_local_world_size("gpu")
+
+
+def test_default_process_group_timeouts():
+    """04 README, labs 5 and 14: "by default 30 minutes with gloo, 10 with NCCL"."""
+    assert constants.default_pg_timeout == timedelta(minutes=30)
+    # None on builds without NCCL (the CPU wheels): there the NCCL default is not compiled in.
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    if nccl is not None:
+        assert nccl == timedelta(minutes=10)
+
+
+def test_dataparallel_checks_the_device_at_forward_not_when_wrapping():
+    """01 README, the forum question: "it checks this at the first forward, not when it wraps
+    the model ... `nn.DataParallel(model).to('cuda')` works"."""
+    nn.DataParallel(nn.Linear(2, 2)).to("cpu")  # constructing and moving never checks
+    check = "module must have its parameters and buffers"
+    assert check in inspect.getsource(nn.DataParallel.forward)
+    assert check not in inspect.getsource(nn.DataParallel.__init__)
+    if torch.cuda.is_available():
+        wrapped = nn.DataParallel(nn.Linear(2, 2)).to("cuda")
+        assert wrapped(torch.randn(4, 2, device="cuda")).shape == (4, 2)
+
+
+@pytest.mark.slow
+def test_torchrun_sets_one_omp_thread_per_rank_and_warns_about_it():
+    """03 README, Run it: with more than one process per node and OMP_NUM_THREADS unset,
+    torchrun warns "Setting OMP_NUM_THREADS environment variable for each process to be 1"
+    and sets it to 1 for every rank."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    command = [*LAUNCHERS["torchrun"], "--nproc-per-node=2",
+               str(REPO_ROOT / "tests" / "probes" / "launch_probe.py")]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in output
+    assert output.count("OMP_NUM_THREADS=1") == 2, output
