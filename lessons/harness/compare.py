@@ -98,7 +98,10 @@ def assert_parameters_close(actual, expected, what: str = "parameter", rank: int
             f"{_where(what, rank)}: names differ: missing {sorted(set(want) - set(got))}, "
             f"unexpected {sorted(set(got) - set(want))}"
         )
-    kind = "gradient of" if grads else what
+    if grads:  # "gradient of 'w'", or "<what>: gradient of 'w'" when the caller said more
+        kind = "gradient of" if what == "parameter" else f"{what}: gradient of"
+    else:
+        kind = what
     for name in want:
         a, e = got[name], want[name]
         if grads:
