@@ -233,6 +233,13 @@ def classification_batches(n_batches: int, size: int, seed: int = 1):
             for _ in range(n_batches)]
 
 
+def parameters_match(model: nn.Module, other) -> bool:
+    """Every parameter of ``model`` close to the same-named one in ``other`` (a model or dict)."""
+    wanted = dict(other.named_parameters()) if isinstance(other, nn.Module) else other
+    return all(torch.allclose(p, wanted[name], rtol=1e-5, atol=1e-6)
+               for name, p in model.named_parameters())
+
+
 @pytest.mark.task0_3
 def test_train_step_matches_a_reference_loop_over_two_steps(ex):
     model = small_classifier()
@@ -240,22 +247,42 @@ def test_train_step_matches_a_reference_loop_over_two_steps(ex):
     # Gradients left over from an earlier step: train_step must clear them before backward.
     for p in model.parameters():
         p.grad = torch.full_like(p, 3.0)
+    # The same loop without zero_grad, to recognise that mistake by its result.
+    stale = copy.deepcopy(model)
+    for p in stale.parameters():
+        p.grad = torch.full_like(p, 3.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    stale_optimizer = torch.optim.SGD(stale.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()
 
     for step, (inputs, targets) in enumerate(classification_batches(2, 6), start=1):
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
         got = ex.train_step(model, (inputs, targets), loss_fn, optimizer)
 
         reference_optimizer.zero_grad()
         expected = loss_fn(reference(inputs), targets)
         expected.backward()
         reference_optimizer.step()
+        loss_fn(stale(inputs), targets).backward()  # no zero_grad: the gradients pile up
+        stale_optimizer.step()
 
         assert isinstance(got, float), (
             f"step {step}: train_step returned a {type(got).__name__}, expected a Python float "
             "(loss.item(): a tensor would also keep the step's whole autograd graph alive)"
         )
+        if parameters_match(model, before):
+            pytest.fail(
+                f"step {step}: the parameters did not change: call optimizer.step() after "
+                "loss.backward(), and optimizer.zero_grad() before the backward, not between "
+                "the backward and the step (that wipes the gradients the step needs)"
+            )
+        if parameters_match(model, stale) and not parameters_match(model, reference):
+            pytest.fail(
+                f"step {step}: the parameters moved by this batch's gradient plus the gradient "
+                "already in .grad before train_step (3.0 everywhere): gradients accumulate, so "
+                "call optimizer.zero_grad() before loss.backward()"
+            )
         assert_close(got, expected.item(), f"step {step}: loss returned by train_step "
                                            "(the loss of the batch before the update)")
         assert_parameters_close(model, reference, f"step {step}: parameter")
@@ -311,6 +338,12 @@ def test_evaluate_is_the_exact_mean_over_all_samples(ex):
             f"evaluate returned {got:.6f}, the mean of the 3 per-batch means; expected "
             f"{expected:.6f}, the mean over all 10 samples: the last batch has 2 samples, not 4, "
             "so weigh each batch's mean loss by its number of samples"
+        )
+    if math.isclose(got, expected * 10 / 12, rel_tol=1e-5):
+        pytest.fail(
+            f"evaluate returned {got:.6f}, the sum of the per-sample losses divided by 12 "
+            f"(3 batches x 4); expected {expected:.6f}: there are 10 samples, the last batch "
+            "holds 2, so divide by the number of samples you actually saw"
         )
     assert_close(got, expected, "evaluate(): mean loss per sample over 10 samples in batches "
                                 "of 4, 4, 2")

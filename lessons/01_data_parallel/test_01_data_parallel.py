@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.compare import assert_close, assert_parameters_close
-from harness.exercises import LESSONS_DIR, load_exercise
+from harness.exercises import LESSONS_DIR, load_exercise, task_of
 from harness.hardware import cuda_device_count, gpu_marks, needs_gpus
 from harness.launch import run_script
 
@@ -38,9 +38,11 @@ class TinyNet(nn.Module):
 
     The record is a list on the class, so every copy of the model writes to it, however the
     copy was made (``copy.deepcopy``, or DataParallel's replicas running in threads).
+    ``runners`` records, in the same order, which instance ran: the model itself or a copy.
     """
 
     calls: list[tuple[int, torch.device]] = []
+    runners: list[nn.Module] = []
 
     def __init__(self, n_in: int = 5, n_hidden: int = 16, n_out: int = 3, seed: int = 0):
         super().__init__()
@@ -53,14 +55,20 @@ class TinyNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         TinyNet.calls.append((x.shape[0], x.device))
+        TinyNet.runners.append(self)
         return self.out(torch.tanh(self.hidden(x)))
 
 
 @pytest.fixture(autouse=True)
 def fresh_call_record():
-    TinyNet.calls.clear()
+    clear_call_record()
     yield
+    clear_call_record()
+
+
+def clear_call_record() -> None:
     TinyNet.calls.clear()
+    TinyNet.runners.clear()
 
 
 def make_batch(batch_size: int, classes: bool = False, seed: int = 1):
@@ -168,7 +176,9 @@ def test_replicate_makes_independent_copies(ex, training):
         )
         assert type(replica) is type(model), f"replica {i} is a {type(replica).__name__}"
         assert replica.training == model.training, (
-            f"replica {i} has training={replica.training}, the model {model.training}"
+            f"replica {i} has training={replica.training}, the model {model.training}: a "
+            f"replica runs in the model's mode (copy.deepcopy keeps it; do not call .train() "
+            f"or .eval() on the replicas)"
         )
         assert_parameters_close(replica, model, f"replica {i}'s parameter")
         assert_parameters_close(dict(replica.named_buffers()), dict(model.named_buffers()),
@@ -199,8 +209,22 @@ def test_gather_joins_in_order_and_keeps_the_graph(ex, sizes):
     g = torch.Generator().manual_seed(4)
     leaves = [torch.randn(size, 3, generator=g, requires_grad=True) for size in sizes]
     outputs = [leaf * 2.0 for leaf in leaves]  # like a replica's output: part of a graph
-    gathered = ex.gather(outputs)
+    shapes = [tuple(o.shape) for o in outputs]
     expected = torch.cat([o.detach() for o in outputs])
+    try:
+        gathered = ex.gather(outputs)
+    except Exception as err:
+        if task_of(err):  # the untouched stub: reported as "not attempted yet"
+            raise
+        pytest.fail(f"gather(outputs of shapes {shapes}) raised {type(err).__name__}: "
+                    f"{str(err).splitlines()[0]}; join the outputs along dim 0 (the batch "
+                    f"dimension), one replica's rows after the other's: torch.cat(outputs, dim=0)")
+    if isinstance(gathered, torch.Tensor) and gathered.shape != expected.shape:
+        stacked = "torch.stack adds a new dimension; " if gathered.dim() == expected.dim() + 1 \
+            else ""
+        pytest.fail(f"gather(outputs of shapes {shapes}) has shape {tuple(gathered.shape)}, "
+                    f"expected {tuple(expected.shape)}: {stacked}join the outputs along dim 0 "
+                    f"(the batch dimension), one replica's rows after the other's")
     assert_close(gathered, expected,
                  f"gathered outputs of chunks {sizes} (replica 0's rows first, then replica 1's)")
     assert gathered.grad_fn is not None, (
@@ -219,6 +243,35 @@ def test_gather_joins_in_order_and_keeps_the_graph(ex, sizes):
 
 # --------------------------------------------------------------------------------------------
 # task1_5: reduce_gradients_into
+
+
+def diagnose_reduction(got, name, before, replica_grads, expected) -> None:
+    """Fail with the mistake's name when ``got`` is what a common wrong reduction gives."""
+    if torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+        return
+    start = 0 if before is None else before
+    total = sum(replica_grads)
+    n = len(replica_grads)
+    mistakes = [
+        (start + total / n, f"it is the mean of the {n} replicas' gradients, not their sum: "
+                            "each replica's gradient is already its share of the whole batch's "
+                            "loss, so DataParallel sums them"),
+        (replica_grads[-1] if before is None else None,
+         f"it is only replica {n - 1}'s gradient (the last one): each replica overwrote the "
+         "previous one's; add every replica's gradient"),
+        (before + replica_grads[-1] if before is not None else None,
+         f"it is the gradient already there plus only replica {n - 1}'s gradient: add every "
+         "replica's gradient"),
+        (replica_grads[-1] if before is not None else None,
+         f"it is only replica {n - 1}'s gradient (the last one): the master's own gradient and "
+         "the other replicas' were overwritten; add every replica's gradient to it"),
+        (total if before is not None else None,
+         "it is the replicas' sum alone: the gradient already on the master was overwritten; "
+         "add the sum to it (param.grad += total), as backward accumulates"),
+    ]
+    for wrong, why in mistakes:
+        if wrong is not None and torch.allclose(got, wrong, rtol=1e-5, atol=1e-6):
+            pytest.fail(f"master gradient of {name!r}: {why}")
 
 
 @pytest.mark.task1_5
@@ -241,7 +294,16 @@ def test_reduce_gradients_sums_into_the_master(ex, already):
     replica_grads = [{n: None if p.grad is None else p.grad.clone()
                       for n, p in r.named_parameters()} for r in replicas]
 
-    ex.reduce_gradients_into(master, replicas)
+    try:
+        ex.reduce_gradients_into(master, replicas)
+    except Exception as err:
+        if task_of(err):  # the untouched stub: reported as "not attempted yet"
+            raise
+        none = ("; in this test 'out.bias' has .grad None on every replica (a parameter the "
+                "forward never used): skip the gradients that are None" if "None" in str(err)
+                else "")
+        pytest.fail(f"reduce_gradients_into raised {type(err).__name__}: "
+                    f"{str(err).splitlines()[0]}{none}")
 
     for name, p in master.named_parameters():
         if name == "out.bias":
@@ -257,6 +319,8 @@ def test_reduce_gradients_sums_into_the_master(ex, already):
         total = sum(grads[name] for grads in replica_grads)
         expected = total if before[name] is None else before[name] + total
         assert p.grad is not None, f"master {name!r} has no gradient after the reduction"
+        diagnose_reduction(p.grad, name, before[name], [grads[name] for grads in replica_grads],
+                           expected)
         assert_close(p.grad, expected,
                      f"master gradient of {name!r}: the sum of 3 replicas' gradients"
                      + (" added to the gradient already there" if already else ""))
@@ -296,11 +360,45 @@ def run_step_and_reference(ex, batch_size, num_replicas, loss_name, grads_before
 
     loss = ex.data_parallel_step(model, inputs, targets, loss_fn, num_replicas)
     seen = seen_batch_sizes()
-    TinyNet.calls.clear()
+    runners = list(TinyNet.runners)
+    clear_call_record()
+    assert_the_replicas_did_the_work(model, seen, runners, chunk_sizes(batch_size, num_replicas),
+                                     f"{batch_size} samples on {num_replicas} replicas")
 
     reference_loss = loss_fn(reference(inputs), targets)
     reference_loss.backward()
     return model, reference, untouched, loss, reference_loss.item(), seen
+
+
+def assert_the_replicas_did_the_work(model, seen, runners, sizes, context: str) -> None:
+    """Each chunk ran on its own copy of ``model``, once; ``model`` itself ran on nothing.
+
+    Then the model's gradients can only have come from the replicas, summed back into it.
+    """
+    context = f"{context}, chunks {sizes}"
+    by_model = [size for size, who in zip(seen, runners, strict=True) if who is model]
+    if by_model:
+        idle = len(sizes) - (len(seen) - len(by_model))
+        pytest.fail(
+            f"the model itself ran on batches of sizes {by_model} ({context}), and "
+            f"{idle} of the {len(sizes)} chunks never reached a replica: the replicas were not "
+            "used. Did you run the master model on a chunk? Run replica i (from replicate) on "
+            "chunk i; the model gets its gradients only from reduce_gradients_into"
+        )
+    replicas: list[nn.Module] = []
+    for who in runners:
+        if not any(who is r for r in replicas):
+            replicas.append(who)
+    for i, replica in enumerate(replicas):  # numbered in the order they first ran
+        sizes_run = [size for size, who in zip(seen, runners, strict=True) if who is replica]
+        assert len(sizes_run) == 1, (
+            f"replica {i} ran {len(sizes_run)} times, on batches of sizes {sizes_run} "
+            f"({context}): make one replica per chunk and run each once, on its own chunk"
+        )
+    assert len(replicas) == len(sizes), (
+        f"{len(replicas)} replica(s) ran, on batches of sizes {seen}, for {len(sizes)} chunks "
+        f"({context}): each chunk runs on its own replica"
+    )
 
 
 def assert_gradients_equal(model, reference, context: str) -> None:
@@ -308,7 +406,8 @@ def assert_gradients_equal(model, reference, context: str) -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None, (
             f"the model's {name!r} has no gradient after data_parallel_step ({context}): the "
-            f"replicas' gradients must be summed back into the model"
+            f"replicas' gradients must be summed back into the model (reduce_gradients_into, "
+            f"after loss.backward() has computed them)"
         )
         assert_close(p.grad, wanted[name].grad, f"gradient of {name!r}, {context}, vs one device")
 

@@ -148,12 +148,13 @@ def assert_gradients_equal(model, reference, what: str) -> None:
     try:
         assert_parameters_close(model, reference, what, grads=True)
     except AssertionError as err:
+        # With grads=True the comparison names the parameter but not ``what``: add it.
         if "is None" in str(err):
             raise AssertionError(
-                f"{err}. Something between the stages cut the autograd graph: move activations "
-                "with x.to(device), never with .detach(), .data or torch.tensor(x)"
+                f"{what}: {err}. Something between the stages cut the autograd graph: move "
+                "activations with x.to(device), never with .detach(), .data or torch.tensor(x)"
             ) from None
-        raise
+        raise AssertionError(f"{what}: {err}") from None
 
 
 def assert_refused(call, what: str, why: str) -> None:
@@ -178,7 +179,17 @@ def assert_refused(call, what: str, why: str) -> None:
                                      ("cpu", "cpu", "meta")])
 def test_place_stages_puts_every_parameter_and_buffer_of_stage_k_on_device_k(ex, devices):
     stages = make_stages(len(devices))
-    model = ex.place_stages(stages, list(devices))
+    try:
+        model = ex.place_stages(stages, list(devices))
+    except Exception as err:
+        if task_of(err):  # the untouched stub: reported as "not attempted yet"
+            raise
+        pytest.fail(
+            f"place_stages(stages, {list(devices)}) raised {type(err).__name__}: "
+            f"{str(err).splitlines()[0]}\nMove each whole stage with stage.to(device), which "
+            "moves its parameters and its buffers (assigning param.data a tensor on another "
+            "device does not work for every device, and leaves the buffers behind)"
+        )
     assert isinstance(model, ex.StagedModel), (
         f"place_stages returned a {type(model).__name__}; return StagedModel(stages, devices)"
     )
@@ -221,6 +232,13 @@ def test_forward_moves_each_stage_input_to_that_stage_device(ex, devices):
     except Exception as err:
         if task_of(err):  # the untouched stub: reported as "not attempted yet"
             raise
+        if all(received == [torch.device(d)] for received, d in zip(seen, devices, strict=True)):
+            pytest.fail(
+                f"every stage received its input on its own device {list(devices)}, but then "
+                f"the forward raised {type(err).__name__}: {str(err).splitlines()[0]}\nLeave "
+                f"the output where the last stage made it, on {devices[-1]}: the loss is "
+                "computed there (moving it back to the first device is the caller's choice)"
+            )
         pytest.fail(
             f"the forward raised {type(err).__name__}: {str(err).splitlines()[0]}\nInputs each "
             f"stage received: {[[str(d) for d in s] for s in seen]}; expected stage k's on "
@@ -400,12 +418,20 @@ def test_pipelined_step_adds_to_gradients_already_there(ex):
         p.grad = torch.ones_like(p)
     ex.pipelined_step(model, inputs, targets, F.mse_loss, 3)
     F.mse_loss(reference(inputs), targets).backward()
+    batch_only = {name: p.grad.clone() for name, p in reference.named_parameters()}
     for p in reference.parameters():
         p.grad += 1
-    assert_parameters_close(
+    if not matches(model, {n: p.grad for n, p in reference.named_parameters()}) and \
+            matches(model, batch_only):
+        pytest.fail(
+            "pipelined_step on a model whose .grad held ones left only the batch's gradient: "
+            "the ones were thrown away. Accumulate like backward, do not zero (no "
+            "model.zero_grad() and no assigning .grad inside the step: clearing is the caller's)"
+        )
+    assert_gradients_equal(
         model, reference,
         "gradient after pipelined_step on a model whose .grad held ones (expected ones + the "
-        "batch's gradient: accumulate like backward, do not zero)", grads=True)
+        "batch's gradient: accumulate like backward, do not zero)")
 
 
 @pytest.mark.task2_2
