@@ -148,13 +148,12 @@ def assert_gradients_equal(model, reference, what: str) -> None:
     try:
         assert_parameters_close(model, reference, what, grads=True)
     except AssertionError as err:
-        # With grads=True the comparison names the parameter but not ``what``: add it.
         if "is None" in str(err):
             raise AssertionError(
-                f"{what}: {err}. Something between the stages cut the autograd graph: move "
+                f"{err}. Something between the stages cut the autograd graph: move "
                 "activations with x.to(device), never with .detach(), .data or torch.tensor(x)"
             ) from None
-        raise AssertionError(f"{what}: {err}") from None
+        raise
 
 
 def assert_refused(call, what: str, why: str) -> None:
