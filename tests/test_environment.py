@@ -135,9 +135,8 @@ def test_every_module_imports_in_a_fresh_process():
 
 def test_the_script_table_lists_every_lesson_script():
     lessons = REPO_ROOT / "lessons"
-    scripts = {str(p.relative_to(lessons)) for p in lessons.rglob("*.py")
-               if p.parent.name != "harness" and not p.name.startswith(("test_", "exercises"))
-               and p.name != "walkthrough.py"}
+    scripts = {str(p.relative_to(lessons)) for p in lessons.glob("[0-9][0-9]_*/**/*.py")
+               if not p.name.startswith(("test_", "exercises")) and p.name != "walkthrough.py"}
     assert scripts == set(SCRIPT_RUNS), (
         f"add to SCRIPT_RUNS: {sorted(scripts - set(SCRIPT_RUNS))}; "
         f"gone: {sorted(set(SCRIPT_RUNS) - scripts)}")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from harness.exercises import REPO_ROOT, TASK_ID
 
+
 def _torchrun_command() -> list[str]:
     """The ``torchrun`` a learner types: the console script beside this Python, so that a broken
     one is caught; ``python -m torch.distributed.run`` (the same code) only where it is missing."""
