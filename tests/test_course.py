@@ -6,12 +6,15 @@ are for CI and teachers, not part of a learner's default ``pytest`` run.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 from pathlib import Path
 
 import pytest
 
+from harness.course import COURSE
+from harness.course import lesson as course_lesson
 from harness.exercises import (
     LESSONS_DIR,
     REPO_ROOT,
@@ -30,20 +33,27 @@ def test_there_are_lessons():
     assert LESSONS[:1] == ["00_single_gpu"]
 
 
+def test_the_manifest_lists_every_lesson_in_order():
+    assert [entry.folder for entry in COURSE] == LESSONS, (
+        "lessons/harness/course.py must list every lesson folder, in order")
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_is_complete(lesson):
+    entry = course_lesson(lesson)
     folder = LESSONS_DIR / lesson
-    number = lesson[:2]
+    page = REPO_ROOT / "docs" / "lessons" / f"{lesson}.md"
     required = [folder / "README.md", folder / f"test_{lesson}.py", folder / "walkthrough.py",
-                REPO_ROOT / "docs" / "lessons" / f"{lesson}.md"]
+                page]
     missing = [str(p.relative_to(REPO_ROOT)) for p in required if not p.is_file()]
     assert not missing, f"{lesson} lacks {missing}"
     assert exercise_files(lesson), f"{lesson} has no exercises*.py"
     for name in exercise_files(lesson):
         assert (SOLUTIONS_DIR / lesson / name).is_file(), f"solutions/{lesson}/{name} is missing"
     tasks = tasks_of(lesson)
-    assert tasks, f"{lesson}'s exercises have no task stubs"
-    assert all(t.startswith(f"task{int(number)}_") for t in tasks), tasks
+    assert tasks == list(entry.tasks), (
+        f"the stubs raise {tasks}; the manifest (harness/course.py) lists {list(entry.tasks)}")
+    assert all(t.startswith(f"task{entry.number}_") for t in tasks), tasks
     readme = (folder / "README.md").read_text()
     tests = (folder / f"test_{lesson}.py").read_text()
     for task in tasks:
@@ -51,7 +61,24 @@ def test_lesson_is_complete(lesson):
         assert f"pytest lessons/{lesson} -m {task}" in readme, f"README: no command for {task}"
         assert f"mark.{task}" in tests, f"no test carries the {task} marker"
     nav = (REPO_ROOT / "mkdocs.yml").read_text()
-    assert f"lessons/{lesson}.md" in nav, f"docs/lessons/{lesson}.md is not in mkdocs.yml's nav"
+    assert f'"{lesson[:2]} · {entry.title}": lessons/{lesson}.md' in nav, (
+        f"mkdocs.yml's nav needs the line: \"{lesson[:2]} · {entry.title}\": lessons/{lesson}.md")
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_the_docs_page_shows_every_script_and_every_reference_answer(lesson):
+    entry = course_lesson(lesson)
+    page = (REPO_ROOT / "docs" / "lessons" / f"{lesson}.md").read_text()
+    for script in entry.scripts:
+        assert f'--8<-- "lessons/{lesson}/{script.path}"' in page, (
+            f"docs/lessons/{lesson}.md does not include lessons/{lesson}/{script.path}")
+    for task in entry.tasks:
+        for snippet in entry.snippets(task):
+            assert f'--8<-- "solutions/{lesson}/exercises.py:{snippet}"' in page, (
+                f"docs/lessons/{lesson}.md does not show the answer to {task} ({snippet})")
+            source = (SOLUTIONS_DIR / lesson / "exercises.py").read_text()
+            assert f"# --8<-- [start:{snippet}]" in source, (
+                f"solutions/{lesson}/exercises.py has no snippet section {snippet!r}")
 
 
 def _public_api(path: Path) -> dict[str, str]:
@@ -77,6 +104,66 @@ def test_stubs_and_solutions_expose_the_same_names_and_signatures(lesson):
                 f"(signature or docstring):\n  stub:     {stub[item][:200]}\n"
                 f"  solution: {solution[item][:200]}"
             )
+
+
+STUB_MESSAGE = re.compile(r"^task\d+_\d+:")
+# Words for the learner's copy only: a reference answer has nothing left to fill in.
+LEARNER_ONLY = re.compile(r"(?i)\b(todo|fill (?:it |this |them )?in|your code|until you do|"
+                          r"not attempted)\b")
+
+
+def _stubbed_bodies_blanked(tree: ast.Module, names: set[str] | None = None) -> set[str]:
+    """Blank (keep the docstring, replace the rest by ``pass``) the body of each function that
+    is a task stub, or, given ``names``, of each function with one of those qualified names.
+    Returns the qualified names blanked."""
+    blanked = set()
+
+    def is_stub(function) -> bool:
+        body = function.body[1:] if ast.get_docstring(function) is not None else function.body
+        if len(body) != 1 or not isinstance(body[0], ast.Raise):
+            return False
+        call = body[0].exc
+        return (isinstance(call, ast.Call) and getattr(call.func, "id", "") == "NotImplementedError"
+                and bool(call.args) and isinstance(call.args[0], ast.Constant)
+                and bool(STUB_MESSAGE.match(str(call.args[0].value))))
+
+    def visit(node, prefix: str) -> None:
+        for child in node.body:
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                if (is_stub(child) if names is None else name in names):
+                    docstring = child.body[:1] if ast.get_docstring(child) is not None else []
+                    child.body = [*docstring, ast.Pass()]
+                    blanked.add(name)
+
+    visit(tree, "")
+    return blanked
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_stub_and_solution_differ_only_in_the_task_bodies(lesson):
+    """By syntax tree: the learner's file is the solution with each task's body replaced by its
+    ``raise NotImplementedError("taskN_M: ...")``, and nothing else."""
+    for name in exercise_files(lesson):
+        stub = ast.parse((LESSONS_DIR / lesson / name).read_text())
+        solution_source = (SOLUTIONS_DIR / lesson / name).read_text()
+        solution = ast.parse(solution_source)
+        stubbed = _stubbed_bodies_blanked(stub)
+        assert stubbed, f"lessons/{lesson}/{name} has no task stubs"
+        _stubbed_bodies_blanked(solution, stubbed)
+        if ast.dump(stub) != ast.dump(solution):
+            for a, b in zip(ast.walk(stub), ast.walk(solution), strict=False):
+                if isinstance(a, ast.stmt) and ast.dump(a) != ast.dump(b) and not any(
+                        isinstance(c, ast.stmt) for c in ast.iter_child_nodes(a)):
+                    raise AssertionError(
+                        f"{lesson}/{name}: the stub and the solution differ outside the task "
+                        f"bodies ({sorted(stubbed)}), first at:\n  stub:     "
+                        f"{ast.unparse(a)[:160]}\n  solution: {ast.unparse(b)[:160]}")
+            raise AssertionError(f"{lesson}/{name}: stub and solution differ outside the tasks")
+        wording = LEARNER_ONLY.findall(solution_source)
+        assert not wording, f"solutions/{lesson}/{name} speaks to a learner: {wording}"
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.course import COURSE, Script
 from harness.exercises import REPO_ROOT
 from harness.launch import start_script
 
@@ -30,28 +31,10 @@ FIRST_PARTY = {"harness"} | {p.stem for p in COURSE_FILES}
 # Imported only on request, with a clear message when missing; not needed to learn or grade.
 OPTIONAL = {"matplotlib": "pipeline_sweep.py --plot (the script says how to install it)"}
 
-# Each lesson script, run once the way a learner starts it, at its smallest size.
-# (launcher, nproc, arguments); the labs run their fixed version (lesson 04's tests run the bugs).
-SCRIPT_RUNS: dict[str, tuple[str, int, tuple[str, ...]]] = {
-    "00_single_gpu/train.py": ("python", 1, ("--epochs", "1")),
-    "00_single_gpu/fast_one_device.py": (
-        "python", 1, ("--device", "cpu", "--width", "32", "--blocks", "1", "--batch", "16",
-                      "--steps", "2", "--warmup", "1", "--no-compile")),
-    "01_data_parallel/train.py": ("python", 1, ("--steps", "2", "--batch-size", "32",
-                                                "--hidden", "16")),
-    "01_data_parallel/where_the_batch_goes.py": ("python", 1, ("--batch-size", "6",
-                                                               "--replicas", "2")),
-    "02_model_parallel/split_model.py": ("python", 1, ("--width", "16", "--batch-size", "8",
-                                                       "--steps", "2")),
-    "02_model_parallel/pipeline_sweep.py": ("python", 1, (
-        "--width", "16", "--batch-size", "8", "--micro-batches", "1,2", "--steps", "1")),
-    "03_ddp/train_ddp.py": ("torchrun", 2, ("--epochs", "1", "--samples", "32")),
-    "03_ddp/train_spawn.py": ("python", 1, ("--nprocs", "2")),
-    "03_ddp/check_init_from_env.py": ("torchrun", 2, ()),
-    "04_pitfalls/doctor.py": ("torchrun", 2, ("--timeout", "30", "--sizes", "1")),
-    **{f"04_pitfalls/labs/{p.name}": ("torchrun", 2, ("--fix",))
-       for p in sorted((REPO_ROOT / "lessons/04_pitfalls/labs").glob("[0-9]*.py"))},
-}
+# Each lesson script, run once the way a learner starts it, at its smallest size (the manifest
+# says how); lesson 04's labs run their fixed version (lesson 04's tests run the bugs).
+SCRIPT_RUNS: dict[str, Script] = {f"{entry.folder}/{script.path}": script
+                                  for entry in COURSE for script in entry.scripts}
 SCRIPTS_AT_ONCE = 3  # most of a launch is importing torch; three overlap well on two cores
 
 
@@ -133,12 +116,12 @@ def test_every_module_imports_in_a_fresh_process():
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
 
 
-def test_the_script_table_lists_every_lesson_script():
+def test_the_manifest_lists_every_lesson_script():
     lessons = REPO_ROOT / "lessons"
     scripts = {str(p.relative_to(lessons)) for p in lessons.glob("[0-9][0-9]_*/**/*.py")
                if not p.name.startswith(("test_", "exercises")) and p.name != "walkthrough.py"}
     assert scripts == set(SCRIPT_RUNS), (
-        f"add to SCRIPT_RUNS: {sorted(scripts - set(SCRIPT_RUNS))}; "
+        f"add to the manifest (harness/course.py): {sorted(scripts - set(SCRIPT_RUNS))}; "
         f"gone: {sorted(set(SCRIPT_RUNS) - scripts)}")
 
 
@@ -150,8 +133,8 @@ def test_every_lesson_script_runs_at_its_smallest_size():
     while pending:
         batch, pending = pending[:SCRIPTS_AT_ONCE], pending[SCRIPTS_AT_ONCE:]
         started = {name: (time.monotonic(), start_script(
-            f"lessons/{name}", *args, launcher=launcher, nproc=nproc, result=False, check=False,
-            timeout=120)) for name, (launcher, nproc, args) in batch}
+            f"lessons/{name}", *script.smallest, launcher=script.launcher, nproc=script.nproc,
+            result=False, check=False, timeout=120)) for name, script in batch}
         for name, (began, launch) in started.items():
             run = launch.result()
             timings[name] = round(time.monotonic() - began, 1)

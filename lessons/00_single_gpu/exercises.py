@@ -1,6 +1,6 @@
 """Lesson 00 exercises: one device, done right.
 
-Fill in the four functions below (each raises NotImplementedError until you do), then grade one:
+Four graded functions, task0_1 to task0_4. Grade one with:
 
     pytest lessons/00_single_gpu -m task0_1
 

@@ -4,7 +4,8 @@
   choice is put in the environment so every rank process and ``torchrun`` child sees it.
 - A test that reaches an untouched stub (``NotImplementedError("taskN_M: ...")``), in this process
   or inside a rank, is reported as skipped, "not attempted yet". ``COURSE_STRICT=1`` makes it fail.
-- Tests carry a task marker (``@pytest.mark.task3_2``) so one task can be run with ``-m task3_2``.
+- Tests carry a task marker (``@pytest.mark.task3_2``) so one task can be run with ``-m task3_2``;
+  the markers are the tasks of the course manifest, ``harness/course.py``.
 - The run ends with a per-lesson progress table.
 """
 
@@ -16,14 +17,12 @@ from collections import defaultdict
 
 import pytest
 
+from harness.course import COURSE
 from harness.exercises import SOLUTIONS_ENV, solutions_mode, strict_mode, task_of
 
 LESSON_DIR = re.compile(r"(?:^|/)lessons/(\d\d_[^/]+)/")
 TASK_MARK = re.compile(r"^task\d+_\d+$")
 HARDWARE_SKIP_PREFIX = "needs "  # harness.hardware words every hardware skip this way
-
-# Lessons are numbered 00..19 with up to 9 graded tasks each; each id is a registered marker.
-MAX_LESSONS, MAX_TASKS = 20, 9
 
 
 def pytest_addoption(parser):
@@ -38,11 +37,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--solutions", default=False):
         os.environ[SOLUTIONS_ENV] = "1"
-    for lesson in range(MAX_LESSONS):
-        for task in range(1, MAX_TASKS + 1):
-            config.addinivalue_line(
-                "markers", f"task{lesson}_{task}: graded task {task} of lesson {lesson:02d}"
-            )
+    for lesson in COURSE:  # each task of the manifest (harness/course.py) is a marker
+        for task, graded in lesson.tasks.items():
+            config.addinivalue_line("markers", f"{task}: {lesson.folder}, grades {graded}")
     config.pluginmanager.register(ProgressReport(), "course-progress")
 
 

@@ -1,0 +1,98 @@
+"""The course manifest: every lesson, its graded tasks and its scripts, in one place.
+
+The grading plugin registers a ``-m taskN_M`` marker for each task listed here, and the
+integrity tests (``tests/``) check each lesson against its entry: the stubs raise exactly these
+task ids, the tests mark them, the README has a hint and a command for each, the docs page shows
+every script and every reference answer, the nav lists the page, and every script runs at the
+size given here. Adding a lesson, a task or a script starts with a line here
+(docs/contributing.md has the steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Script:
+    """A runnable file of a lesson, and how to run it at its smallest size (for CI)."""
+
+    path: str  # relative to the lesson folder, e.g. "train_ddp.py" or "labs/01_set_epoch.py"
+    launcher: str = "python"  # "python", "torchrun" or "launch" (harness.launch)
+    nproc: int = 1
+    smallest: tuple[str, ...] = ()  # arguments of its quickest complete run
+
+
+@dataclasses.dataclass(frozen=True)
+class Lesson:
+    folder: str  # lessons/<folder>, solutions/<folder>, docs/lessons/<folder>.md
+    title: str  # the nav entry reads "NN · <title>"
+    # task id -> what it grades: the snippet sections (functions, classes) of its reference
+    # answer in solutions/<folder>/exercises.py, comma-separated when there are several
+    tasks: dict[str, str]
+    scripts: tuple[Script, ...]
+
+    @property
+    def number(self) -> int:
+        return int(self.folder[:2])
+
+    def snippets(self, task: str) -> list[str]:
+        """The snippet sections that show ``task``'s reference answer."""
+        return [name.strip() for name in self.tasks[task].split(",")]
+
+
+def _labs(*names: str) -> tuple[Script, ...]:
+    # Each lab runs on two ranks; its fixed version is the smallest complete run.
+    return tuple(Script(f"labs/{name}.py", "torchrun", 2, ("--fix",)) for name in names)
+
+
+COURSE: tuple[Lesson, ...] = (
+    Lesson("00_single_gpu", "One device, done right",
+           {"task0_1": "choose_device", "task0_2": "to_device", "task0_3": "train_step",
+            "task0_4": "evaluate"},
+           (Script("train.py", smallest=("--epochs", "1")),
+            Script("fast_one_device.py", smallest=(
+                "--device", "cpu", "--width", "32", "--blocks", "1", "--batch", "16",
+                "--steps", "2", "--warmup", "1", "--no-compile")))),
+    Lesson("01_data_parallel", "nn.DataParallel",
+           {"task1_1": "scatter_sizes", "task1_2": "scatter", "task1_3": "replicate",
+            "task1_4": "gather", "task1_5": "reduce_gradients_into",
+            "task1_6": "data_parallel_step"},
+           (Script("train.py", smallest=("--steps", "2", "--batch-size", "32", "--hidden", "16")),
+            Script("where_the_batch_goes.py", smallest=("--batch-size", "6", "--replicas", "2")))),
+    Lesson("02_model_parallel", "Model parallelism by hand",
+           {"task2_1": "place_stages, staged_model", "task2_2": "pipelined_step",
+            "task2_3": "bubble_fraction"},
+           (Script("split_model.py", smallest=("--width", "16", "--batch-size", "8",
+                                               "--steps", "2")),
+            Script("pipeline_sweep.py", smallest=("--width", "16", "--batch-size", "8",
+                                                  "--micro-batches", "1,2", "--steps", "1")))),
+    Lesson("03_ddp", "DDP with torchrun",
+           {"task3_1": "shard_indices", "task3_2": "init_from_env", "task3_3": "average_gradients",
+            "task3_4": "train_one_epoch", "task3_5": "GradientBuckets"},
+           (Script("train_ddp.py", "torchrun", 2, ("--epochs", "1", "--samples", "32")),
+            Script("train_spawn.py", smallest=("--nprocs", "2")),
+            Script("check_init_from_env.py", "torchrun", 2))),
+    Lesson("04_pitfalls", "Pitfalls and the doctor",
+           {"task4_1": "exact_accuracy", "task4_2": "pick_device", "task4_3": "save_on_rank0",
+            "task4_4": "train_with_join", "task4_5": "load_checkpoint",
+            "task4_6": "accumulate_gradients", "task4_7": "broadcast_initial_state"},
+           (Script("doctor.py", "torchrun", 2, ("--timeout", "30", "--sizes", "1")),
+            *_labs("01_set_epoch", "02_no_sampler", "03_padded_eval", "04_device_from_rank",
+                   "05_rank0_collective", "06_uneven_inputs", "07_unused_parameters",
+                   "08_module_forward", "09_checkpoints", "10_no_sync", "11_sum_loss",
+                   "12_random_state", "13_batchnorm", "14_notebooks", "15_print_once"))),
+)
+
+
+def lesson(folder: str) -> Lesson:
+    """The manifest entry of ``lessons/<folder>``."""
+    for entry in COURSE:
+        if entry.folder == folder:
+            return entry
+    raise KeyError(f"lessons/{folder} is not in the course manifest (lessons/harness/course.py)")
+
+
+def all_tasks() -> dict[str, str]:
+    """Every task id of the course, in order, with what it grades."""
+    return {task: target for entry in COURSE for task, target in entry.tasks.items()}
