@@ -2,20 +2,23 @@
 
     python lessons/04_pitfalls/doctor.py                                    # this process only
     torchrun --standalone --nproc-per-node=2 lessons/04_pitfalls/doctor.py  # N ranks
-    torchrun --standalone --nproc-per-node=$(nvidia-smi -L | wc -l) lessons/04_pitfalls/doctor.py
+    torchrun --standalone --nproc-per-node=gpu lessons/04_pitfalls/doctor.py  # one rank per GPU
 
-It reports the versions (torch, CUDA, NCCL), the devices this process sees and
-CUDA_VISIBLE_DEVICES, and each rank's device; checks that a barrier and an all-reduce complete
-within ``--timeout`` seconds and give the right value; on CUDA, prints the peer-to-peer access
-matrix and copies between every pair of GPUs; measures all-reduce bus bandwidth; and ends with
-a verdict and next steps. Nothing can hang: every step runs under a timeout, and the step that
-fails is named. Rank 0 prints the report; a rank that hits a problem prints it itself.
+It reports the versions (torch, CUDA, NCCL, the packages the course needs), the devices this
+process sees and CUDA_VISIBLE_DEVICES, and each rank's device; checks that a barrier and an
+all-reduce complete within ``--timeout`` seconds and give the right value; on CUDA, prints the
+peer-to-peer access matrix and copies between every pair of GPUs; measures all-reduce bus
+bandwidth; and ends with a verdict and next steps. Nothing can hang: every step runs under a
+timeout, and the step that fails is named. Rank 0 prints the report, with the verdict and next
+steps; any other rank that hits a problem prints one line of its own, so the report has one
+line per rank, not one block.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -42,9 +45,12 @@ NEXT_STEPS = {
     "hang": [
         "Rerun with NCCL_DEBUG=INFO (NCCL_DEBUG_SUBSYS=INIT,P2P,NET for less) to see how NCCL "
         "connects the GPUs and where it stops.",
-        "If GPUs are involved, rerun with NCCL_P2P_DISABLE=1: some boards (consumer GPUs, "
-        "virtual machines, IOMMU or PCIe ACS enabled) report peer-to-peer access that then "
-        "hangs. If that helps, keep it, or disable IOMMU/ACS in the BIOS.",
+        "If NCCL is involved, rerun with NCCL_P2P_DISABLE=1 (it turns off NCCL's direct "
+        "GPU-to-GPU transport): some boards (consumer GPUs, virtual machines, PCIe ACS or the "
+        "IOMMU enabled) report peer-to-peer access that then hangs. Only NCCL reads that "
+        "variable; plain CUDA copies (the doctor's peer-to-peer step, nn.DataParallel's "
+        "scatter and gather, x.to('cuda:1')) still take the broken path. The fix is in the "
+        "machine: disable ACS, set the IOMMU to pass-through or off (BIOS, kernel settings).",
         "If the doctor passes but your training hangs, the cause is in the code: a collective "
         "that not every rank reaches (lesson 04, labs 05 and 06). Run it with "
         "TORCH_DISTRIBUTED_DEBUG=DETAIL, which checks that all ranks call the same collectives "
@@ -61,12 +67,16 @@ NEXT_STEPS = {
         "Look for the rank that failed first: its own [FAIL] line, or torchrun's 'Root Cause'.",
     ],
     "wrong value": [
-        "A collective completed with a wrong result: suspect the hardware path. Rerun with "
-        "NCCL_P2P_DISABLE=1, then NCCL_SHM_DISABLE=1; `nvidia-smi topo -m` shows the links.",
+        "A collective completed with a wrong result: suspect the hardware path. On NCCL, rerun "
+        "with NCCL_P2P_DISABLE=1, then NCCL_SHM_DISABLE=1; `nvidia-smi topo -m` shows the links.",
     ],
     "devices": [
         "Each rank must use its own GPU: torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) "
         "before anything touches CUDA (lesson 04, lab 04). Check CUDA_VISIBLE_DEVICES.",
+    ],
+    "setup": [
+        "Install the course's requirements into the environment you run it from: "
+        "pip install -r requirements.txt (inside the course's venv, if you made one).",
     ],
     "error": [
         "Read the error above. NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=DETAIL add detail.",
@@ -126,10 +136,13 @@ class Doctor:
             return  # another thread is already reporting
         tag = f"[rank {self.rank}]"
         verdict = f"{kind.upper()} in step {step!r} (seen by rank {self.rank}): {problem}"
-        lines = [f"{tag} [FAIL] {step}: {problem}"]
-        lines += [f"{tag}        {detail}"] if detail else []
-        lines += [f"{tag} verdict: {verdict}", f"{tag} next steps:"]
-        lines += [f"{tag}   - {hint}" for hint in NEXT_STEPS[kind]]
+        if self.rank == 0:
+            lines = [f"{tag} [FAIL] {step}: {problem}"]
+            lines += [f"{tag}        {detail}"] if detail else []
+            lines += [f"{tag} verdict: {verdict}", f"{tag} next steps:"]
+            lines += [f"{tag}   - {hint}" for hint in NEXT_STEPS[kind]]
+        else:  # one line: rank 0 gives the next steps (its error is the place to start)
+            lines = [f"{tag} [FAIL] {step}: {kind.upper()}: {problem}"]
         print("\n".join(lines), flush=True)
         self.result.update(failed_step=step, kind=kind, verdict=verdict)
         self.write_result()
@@ -193,7 +206,38 @@ class DuplicateDevice(RuntimeError):
 # ----------------------------------------------------------------------------- the steps
 
 
+# What the course installs (requirements.txt) and why; a missing one is named with the fix.
+NEEDED_PACKAGES = {
+    "torch": "everything",
+    "numpy": "torch needs it for .numpy() and all_gather_object, but does not install it",
+    "pytest": "grading the exercises",
+    "pytest-timeout": "grading: no test may hang",
+}
+OPTIONAL_PACKAGES = {
+    "mkdocs-material": "reading the course with mkdocs serve",
+    "jupytext": "opening the walkthroughs as notebooks",
+}
+
+
+def packages() -> tuple[dict[str, str], list[str]]:
+    """{package: version or "missing"}, and the lines that explain what is missing."""
+    found, problems = {}, []
+    for name, why in {**NEEDED_PACKAGES, **OPTIONAL_PACKAGES}.items():
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "missing"
+            if name in NEEDED_PACKAGES:
+                problems.append(f"{name} is missing ({why})")
+    return found, problems
+
+
 def environment(doctor: Doctor) -> dict:
+    versions, problems = packages()
+    doctor.say("packages: " + ", ".join(f"{name} {version}" for name, version in versions.items()))
+    if problems:
+        doctor.fail("versions and devices", "setup", "; ".join(problems),
+                    "install what the course needs: pip install -r requirements.txt")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus else "n/a (no GPU)"
@@ -208,6 +252,7 @@ def environment(doctor: Doctor) -> dict:
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)],
         "settings": {k: v for k, v in sorted(os.environ.items())
                      if k.startswith(("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED", "GLOO_"))},
+        "packages": versions,
     }
     doctor.say(f"torch {info['torch']} | CUDA {info['cuda']} | NCCL {info['nccl']} | "
                f"python {info['python']} | host {info['host']}")
