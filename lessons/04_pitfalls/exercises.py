@@ -123,14 +123,15 @@ def accumulate_gradients(model: DDP, micro_batches: Sequence[tuple[torch.Tensor,
 
     For each ``(inputs, targets)``: ``(loss_fn(model(inputs), targets) / k).backward()``, the
     division making the sum of k micro-batch gradients their mean. Run all but the last
-    micro-batch inside ``with model.no_sync():`` (DDP skips its all-reduce there; the
+    micro-batch, its forward *and* its backward, inside ``with model.no_sync():`` (DDP decides
+    in the forward whether the backward all-reduces; inside, it skips the all-reduce and the
     gradients just add up), and the last one outside it: its backward all-reduces the sum
     once. Do not zero the gradients and do not step: the caller does.
 
     The test counts what DDP all-reduces (each gradient exactly once) and compares ``.grad``
     with one process's gradient on all ranks' micro-batches at once.
     """
-    raise NotImplementedError("task4_6: backward each micro-batch, all but the last in no_sync")
+    raise NotImplementedError("task4_6: all but the last forward+backward inside no_sync")
 # --8<-- [end:accumulate_gradients]
 
 

@@ -126,13 +126,22 @@ def test_padding_skews_an_evaluation_metric(fix):
 
 def exact_accuracy_on_rank(ctx):
     model, dataset = lab("03_padded_eval").validation_set()
-    return load_exercise(LESSON).exact_accuracy(model, dataset, batch_size=4)
+    evaluated = [0]  # samples this rank's model saw
+
+    def count(module, args):
+        evaluated[0] += len(args[0])
+
+    model.register_forward_pre_hook(count)
+    accuracy = load_exercise(LESSON).exact_accuracy(model, dataset, batch_size=4)
+    return {"accuracy": accuracy, "evaluated": evaluated[0], "samples": len(dataset)}
 
 
 @pytest.mark.task4_1
 def test_exact_accuracy_counts_every_sample_once():
     results = run_on_ranks(exact_accuracy_on_rank)
-    for rank, accuracy in enumerate(results):
+    world = len(results)
+    for rank, result in enumerate(results):
+        accuracy = result["accuracy"]
         assert isinstance(accuracy, float), (
             f"rank {rank}: return a Python float (.item()), not {type(accuracy).__name__}")
         hint = {8 / 12: " (8/12: a padded sample counted twice: shard with range(rank, N, W))",
@@ -142,6 +151,18 @@ def test_exact_accuracy_counts_every_sample_once():
         why = next((text for value, text in hint.items() if abs(accuracy - value) < 1e-9), "")
         assert accuracy == pytest.approx(TRUE_ACCURACY), (
             f"rank {rank}: accuracy {accuracy:.6f}, expected 8/11 = {TRUE_ACCURACY:.6f}{why}")
+    # The right number is not enough: each rank must evaluate its shard only.
+    samples = results[0]["samples"]
+    shards = [len(range(rank, samples, world)) for rank in range(world)]
+    evaluated = [result["evaluated"] for result in results]
+    if evaluated != shards:
+        rank = next(r for r in range(world) if evaluated[r] != shards[r])
+        why = (" (the whole dataset, on every rank: each rank repeats the others' work)"
+               if all(n == samples for n in evaluated) else "")
+        raise AssertionError(
+            f"rank {rank}: the model evaluated {evaluated[rank]} samples{why}; its shard, "
+            f"range({rank}, {samples}, {world}), has {shards[rank]} (every rank: {evaluated}, "
+            f"expected {shards}). Evaluate only this rank's shard, then all-reduce the sums")
 
 
 # ----------------------------------------------------------------------------- 4 · device
@@ -170,10 +191,12 @@ def test_without_set_device_every_rank_lands_on_gpu_0():
 @pytest.mark.task4_2
 def test_pick_device_uses_the_local_rank(ex):
     two_machines = lab("04_device_from_rank").TWO_MACHINES
-    for env in two_machines:
-        process = f"RANK={env['RANK']} LOCAL_RANK={env['LOCAL_RANK']} on a machine with 2 GPUs"
+    # Two GPUs per machine, as many as processes; then four, with two processes on each.
+    for gpus, env in [(2, env) for env in two_machines] + [(4, env) for env in two_machines]:
+        process = (f"RANK={env['RANK']} LOCAL_RANK={env['LOCAL_RANK']} on a machine with {gpus} "
+                   f"GPUs")
         try:
-            got = ex.pick_device(dict(env), gpu_count=2)
+            got = ex.pick_device(dict(env), gpu_count=gpus)
         except NotImplementedError:
             raise
         except RuntimeError as error:
@@ -185,6 +208,18 @@ def test_pick_device_uses_the_local_rank(ex):
             f"{process} got {got}, expected {want}: the GPU index is LOCAL_RANK, never RANK")
     assert ex.pick_device(dict(two_machines[3]), gpu_count=0) == torch.device("cpu"), (
         "without GPUs the device is the CPU")
+    try:
+        plain = ex.pick_device({}, gpu_count=0)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the learner's error is the finding
+        raise AssertionError(
+            f"pick_device({{}}, gpu_count=0), a plain `python script.py` without GPUs, raised "
+            f"{type(error).__name__}: {error}. Without GPUs the device is the CPU whatever the "
+            f"environment says: check gpu_count == 0 first") from None
+    assert plain == torch.device("cpu"), (
+        f"pick_device({{}}, gpu_count=0) returned {plain}: without GPUs the device is the CPU; "
+        f"check gpu_count == 0 first")
 
 
 @pytest.mark.task4_2
@@ -455,8 +490,16 @@ def test_load_checkpoint_accepts_plain_keys_and_rejects_wrong_ones(ex, tmp_path)
     trained = nn.Linear(4, 2)
     plain = tmp_path / "plain.pt"
     torch.save(trained.state_dict(), plain)
-    assert_parameters_close(ex.load_checkpoint(plain, nn.Linear(4, 2), torch.device("cpu")),
-                            trained, what="parameter loaded from a plain checkpoint")
+    try:
+        loaded = ex.load_checkpoint(plain, nn.Linear(4, 2), torch.device("cpu"))
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the learner's error is the finding
+        raise AssertionError(
+            f"loading a plain checkpoint (keys 'weight', 'bias', no 'module.') failed: remove "
+            f"the prefix only from keys that start with it, key.removeprefix('module.'). "
+            f"({type(error).__name__}: {' '.join(str(error).split())[:300]})") from None
+    assert_parameters_close(loaded, trained, what="parameter loaded from a plain checkpoint")
     wrong = tmp_path / "wrong.pt"
     torch.save({"module.weight": trained.weight.detach()}, wrong)  # no bias
     error = runtime_error_from(lambda: ex.load_checkpoint(wrong, nn.Linear(4, 2),
@@ -475,6 +518,12 @@ def test_accumulation_all_reduces_every_micro_step_without_no_sync(fix):
         assert f["sync_rounds"] == (1 if fix else 4), (
             f"rank {f['rank']}: every gradient was all-reduced {f['sync_rounds']:g} times")
         assert f["gap_to_full_batch"] < 1e-5, "either way the accumulated gradient is right"
+        if fix:  # the half-fix: only backward() inside no_sync(), the forward outside
+            half = f["backward_only"]
+            assert half["sync_rounds"] == 4, (
+                f"rank {f['rank']}: with the forward outside no_sync() every gradient was "
+                f"all-reduced {half['sync_rounds']:g} times, the lesson says 4")
+            assert half["gap_to_full_batch"] < 1e-5
 
 
 ACCUMULATION_GROUPS = group_params(world_sizes=(2,), cuda_world_sizes=(2,),
@@ -488,11 +537,45 @@ def accumulating_on_rank(ctx, k: int) -> dict:
                 device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     counter = {"buckets": 0, "elements": 0}
     model.register_comm_hook(None, lab10.counting_hook(counter))
+    # Whether no_sync() was on at each forward (where DDP decides whether the next backward
+    # all-reduces) and at each backward (once the first parameter's gradient is in).
+    synced = {"forward": [], "backward": []}
+    model.register_forward_pre_hook(
+        lambda module, args: synced["forward"].append(module.require_backward_grad_sync))
+    next(model.module.parameters()).register_post_accumulate_grad_hook(
+        lambda param: synced["backward"].append(model.require_backward_grad_sync))
     batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in lab10.micro_batches(ctx.rank, k)]
     load_exercise(LESSON).accumulate_gradients(model, batches, nn.functional.mse_loss)
     parameters = sum(p.numel() for p in model.parameters())
     return {"gradients": {n: p.grad for n, p in model.module.named_parameters()},
-            "rounds": counter["elements"] / parameters}
+            "rounds": counter["elements"] / parameters, **synced}
+
+
+def accumulation_problem(r: dict, k: int) -> str:
+    """Why DDP did not all-reduce every gradient exactly once over the k micro-batches."""
+    rounds, forward, backward = r["rounds"], r["forward"], r["backward"]
+    armed_early = [i for i, (armed, syncs) in enumerate(zip(forward, backward, strict=False))
+                   if armed and not syncs]
+    if rounds > 1 and armed_early:
+        return (f"DDP all-reduced every gradient {rounds:g} times for {k} micro-batches: the "
+                f"forward ran outside no_sync(): DDP armed the all-reduce in forward (it reads "
+                f"require_backward_grad_sync there), so the backward inside no_sync() still "
+                f"all-reduced (micro-batches {armed_early}). Run the forward and the backward "
+                f"of all but the last micro-batch inside `with model.no_sync():`")
+    if rounds > 1:
+        return (f"DDP all-reduced every gradient {rounds:g} times for {k} micro-batches; "
+                f"expected once: run the forward and the backward of all but the last "
+                f"micro-batch inside `with model.no_sync():`")
+    if rounds == 0 and forward and not forward[-1] and backward and backward[-1]:
+        return ("no gradient was all-reduced: the last micro-batch's forward ran inside "
+                "no_sync(), and DDP decides in forward whether the backward all-reduces. Run "
+                "the last micro-batch's forward and backward outside no_sync()")
+    if rounds == 0:
+        return ("no gradient was all-reduced: the last micro-batch (forward and backward) must "
+                "run outside no_sync(), so that its backward all-reduces the accumulated sum")
+    if rounds != 1:
+        return f"DDP all-reduced {rounds:g} of every gradient's elements; expected all, once"
+    return ""
 
 
 @pytest.mark.task4_6
@@ -509,12 +592,8 @@ def test_accumulate_gradients_syncs_once_and_equals_the_full_batch(group):
     nn.functional.mse_loss(reference(inputs), targets).backward()
     expected = {n: p.grad for n, p in reference.named_parameters()}
     for rank, r in enumerate(results):
-        assert r["rounds"] == 1, (
-            f"rank {rank}: DDP all-reduced every gradient {r['rounds']:g} times for {k} "
-            f"micro-batches; expected once: run all but the last backward in model.no_sync()"
-            if r["rounds"] else
-            f"rank {rank}: no gradient was all-reduced: the last micro-batch must run outside "
-            f"no_sync")
+        problem = accumulation_problem(r, k)
+        assert not problem, f"rank {rank}: {problem}"
         assert_parameters_close(r["gradients"], expected, rank=rank,
                                 what="accumulated gradient vs one process on the full batch "
                                      "(divide each micro-batch loss by k)")
@@ -569,7 +648,16 @@ def broadcasting_on_rank(ctx, src: int) -> dict:
 @pytest.mark.task4_7
 @pytest.mark.parametrize("src", [0, 1])
 def test_broadcast_initial_state_copies_parameters_and_buffers(src):
-    results = run_on_ranks(broadcasting_on_rank, src)
+    try:
+        results = run_on_ranks(broadcasting_on_rank, src, pg_timeout=GRADE_TIMEOUT, timeout=40)
+    except RankError as error:
+        if "Timed out" not in str(error):
+            raise
+        raise AssertionError(
+            f"the ranks hung in broadcast_initial_state(model, src={src}) (process-group "
+            f"timeout {GRADE_TIMEOUT} s): every rank must call dist.broadcast with the same src, "
+            f"the rank whose values everyone copies (src=src, not dist.get_rank()), and the "
+            f"same tensors in the same order.\n{error}") from None
     source = results[src]["before"]
     for rank, r in enumerate(results):
         for name, tensor in source.items():

@@ -9,7 +9,12 @@ To step once per k micro-batches you call backward k times and let the gradients
 DDP every backward also all-reduces every gradient, so k micro-steps cost k rounds of
 communication where one would do: all-reduce is linear, so averaging the sum once gives the
 same result as summing k averages. ``with model.no_sync():`` turns the all-reduce off for the
-backward passes inside it; the last micro-step runs outside it and syncs the accumulated sum.
+micro-steps inside it; the last micro-step runs outside it and syncs the accumulated sum.
+
+The forward belongs inside ``no_sync()`` too, not only ``backward()``: DDP reads the flag that
+``no_sync()`` clears in its *forward*, and a forward run with the flag set arms the all-reduce
+of the backward that follows, wherever that backward runs. With ``--fix`` the lab also runs
+that half-fix (only ``backward()`` inside ``no_sync()``) and counts its all-reduces.
 
 A communication hook (``model.register_comm_hook``) counts what DDP all-reduces. Either way,
 with each micro-batch's loss divided by k, the accumulated gradient equals the gradient of
@@ -54,18 +59,28 @@ def counting_hook(counter: dict):
     return hook
 
 
-def demo(fix: bool, k: int = 4) -> dict:
+def accumulate(model: DDP, batches, variant: str) -> None:
+    """Accumulate the micro-batches' gradients the way ``variant`` says."""
+    k = len(batches)
+    for step, (inputs, targets) in enumerate(batches):
+        quiet = variant != "plain" and step < k - 1  # all but the last micro-step
+        if variant == "backward only":  # the half-fix: the forward runs outside no_sync()
+            loss = nn.functional.mse_loss(model(inputs), targets) / k
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                loss.backward()
+            continue
+        with model.no_sync() if quiet else contextlib.nullcontext():
+            loss = nn.functional.mse_loss(model(inputs), targets) / k  # mean over micro-steps
+            loss.backward()
+
+
+def measure(variant: str, k: int) -> dict:
     """Accumulate k micro-batches on this rank; count the all-reduces; check the gradient."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = DDP(make_model())
     counter = {"buckets": 0, "elements": 0}
     model.register_comm_hook(None, counting_hook(counter))  # None: the default group
-    batches = micro_batches(rank, k)
-    for step, (inputs, targets) in enumerate(batches):
-        last = step == k - 1
-        with model.no_sync() if fix and not last else contextlib.nullcontext():
-            loss = nn.functional.mse_loss(model(inputs), targets) / k  # mean over micro-steps
-            loss.backward()
+    accumulate(model, micro_batches(rank, k), variant)
     gradients = {name: p.grad.clone() for name, p in model.module.named_parameters()}
     # One process, one batch holding every rank's micro-batches: what accumulation must equal.
     reference = make_model()
@@ -76,8 +91,18 @@ def demo(fix: bool, k: int = 4) -> dict:
     parameters = sum(p.numel() for p in model.parameters())
     del model
     gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
-    return {"rank": rank, "micro_steps": k, "bucket_all_reduces": counter["buckets"],
+    return {"bucket_all_reduces": counter["buckets"],
             "sync_rounds": counter["elements"] / parameters, "gap_to_full_batch": gap}
+
+
+def demo(fix: bool, k: int = 4) -> dict:
+    """Without the fix, no no_sync(); with it, no_sync() around the forward and backward of
+    all but the last micro-step, and, for comparison, around only their backward."""
+    facts = {"rank": dist.get_rank(), "micro_steps": k,
+             **measure("no_sync" if fix else "plain", k)}
+    if fix:
+        facts["backward_only"] = measure("backward only", k)
+    return facts
 
 
 def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
@@ -89,7 +114,10 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
             f"the gradient equals the full batch's to {gap:.1g}")
     if f["sync_rounds"] > 1:
         return True, f"SYMPTOM: {what} (rerun with --fix)"
-    return False, f"FIXED: {what}"
+    half = f["backward_only"]
+    return False, (f"FIXED: {what}. With only backward() inside no_sync() (the forward outside): "
+                   f"{half['sync_rounds']:g} time(s) ({half['bucket_all_reduces']} bucket "
+                   f"all-reduces)")
 
 
 def start() -> tuple[int, int]:
@@ -110,7 +138,8 @@ def start() -> tuple[int, int]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fix", action="store_true", help="no_sync on all but the last step")
+    parser.add_argument("--fix", action="store_true",
+                        help="no_sync() around all but the last micro-step")
     parser.add_argument("--result", type=Path, help="rank 0 writes the facts here as JSON")
     args = parser.parse_args(argv)
     rank, world_size = start()
