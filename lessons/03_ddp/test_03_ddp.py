@@ -195,7 +195,7 @@ def test_distributed_sampler_order_changes_with_epoch_and_agrees_across_ranks():
 # ----------------------------------------------------------------------------- task3_2 init
 
 
-CHECK_INIT = f"lessons/{LESSON}/check_init_from_env.py"
+CHECK_INIT = "lessons/harness/check_init_from_env.py"  # runs init_from_env under torchrun
 
 
 @pytest.fixture(scope="module")
@@ -760,3 +760,8 @@ def test_script_explains_more_ranks_than_gpus(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         train.main(["--backend", "nccl"])
     assert "4 processes on this machine, 2 GPU(s) visible" in capsys.readouterr().err
+
+
+def test_the_script_and_the_exercise_name_the_same_launcher_variables(ex):
+    """One meaning of LAUNCHER_VARIABLES: what train_ddp.py checks is what task3_2 checks."""
+    assert load_lesson_module(LESSON, "train_ddp").LAUNCHER_VARIABLES == ex.LAUNCHER_VARIABLES

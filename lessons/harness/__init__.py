@@ -8,4 +8,9 @@
 - ``harness.compare``: tensor comparison whose failure message a learner can act on.
 - ``harness.ranks``: run a function on N ranks through a reusable pool of worker processes.
 - ``harness.launch``: run a lesson script under the real ``torchrun`` and read its result.
+- ``harness.course``: the course manifest: lessons, their tasks and scripts.
+- ``harness.selfcheck``: run the course's own tests from outside, in scratch copies (for
+  ``tests/``: solutions pass, stubs and known wrong answers are caught).
+- ``check_init_from_env.py``: a script lesson 03's tests run under ``torchrun`` to call the
+  graded ``init_from_env`` in real launched processes.
 """

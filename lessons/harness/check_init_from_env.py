@@ -1,7 +1,7 @@
-"""Runs your ``init_from_env`` (task3_2) the way the tests need it; not lesson material.
+"""Runs lesson 03's ``init_from_env`` (task3_2) the way its tests need it; not lesson material.
 
-    torchrun --standalone --nproc-per-node=2 lessons/03_ddp/check_init_from_env.py
-    python lessons/03_ddp/check_init_from_env.py --bad-environments
+    torchrun --standalone --nproc-per-node=2 lessons/harness/check_init_from_env.py
+    python lessons/harness/check_init_from_env.py --bad-environments
 
 Under torchrun every rank calls ``init_from_env()``, checks the group with an all-reduce, and
 rank 0 reports what every rank returned. With ``--bad-environments`` it tries environments a
@@ -23,10 +23,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.exercises import load_exercise  # noqa: E402
-
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                      "MASTER_PORT")
-
 
 def under_launcher(ex) -> dict:
     info = ex.init_from_env()
@@ -63,7 +59,7 @@ def bad_environments(ex) -> dict:
     }
     report = {}
     for name, (env, backend, patches) in cases.items():
-        for key in LAUNCHER_VARIABLES:
+        for key in (*ex.LAUNCHER_VARIABLES, "LOCAL_WORLD_SIZE"):  # the optional one too
             os.environ.pop(key, None)
         os.environ.update(env)
         for patch in patches:
