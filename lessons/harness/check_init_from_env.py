@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from harness.exercises import load_exercise  # noqa: E402
 
+
 def under_launcher(ex) -> dict:
     info = ex.init_from_env()
     total = torch.ones(1, device=info.device) * (info.rank + 1)
