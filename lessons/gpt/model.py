@@ -1,0 +1,166 @@
+"""The running example: a small GPT-style language model over characters.
+
+Built so that the later lessons can cut it without rewriting it:
+- tensor parallel splits attention by heads: ``q_proj``/``k_proj``/``v_proj`` are column-parallel
+  (a rank keeps whole heads' output features) and ``out_proj`` is row-parallel; the MLP's
+  ``up_proj``/``down_proj`` likewise. ``forward`` reshapes to ``-1`` heads, so a rank holding
+  ``n_head / world`` heads runs the same code;
+- pipeline parallel cuts ``GPT.blocks`` (an ``nn.ModuleList``) between blocks. The lm head is not
+  tied to the token embedding, so the first and last stages share no weight;
+- FSDP2 wraps each ``Block``, then the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Named sizes. Both have n_head and n_layer divisible by 2 and 4, so tensor and pipeline parallel
+# lessons can split them 2 or 4 ways.
+SIZES = {
+    # 56k parameters, cheap enough for tests: one training step (batch 16, context 32) took
+    # 20-30 ms on one thread of a busy 2-core machine.
+    "tiny": dict(block_size=32, n_layer=4, n_head=4, n_embd=32),
+    # 14M parameters: worth a GPU.
+    "gpu": dict(block_size=256, n_layer=8, n_head=8, n_embd=384),
+}
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 32  # context length: the most tokens the model attends over
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 32
+    bias: bool = True
+    dropout: float = 0.0  # > 0 draws from the global RNG in training mode
+
+    @classmethod
+    def named(cls, size: str = "tiny", *, vocab_size: int, **overrides) -> GPTConfig:
+        """``GPTConfig.named("gpu", vocab_size=ds.vocab_size)``; keywords override the size."""
+        return cls(vocab_size=vocab_size, **{**SIZES[size], **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must split evenly into heads"
+        self.head_dim = config.n_embd // config.n_head
+        self.dropout = config.dropout
+        # Separate projections (not one fused qkv): each is split by heads on its own.
+        self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.v_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim). -1 rather than n_head: under
+        # tensor parallelism a rank holds only some of the heads.
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.out_proj(y.transpose(1, 2).reshape(B, T, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.down_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down_proj(F.gelu(self.up_proj(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm: normalise, transform, add back. The residual path itself is never normalised."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, seed: int = 0):
+        super().__init__()
+        self.config = config
+        # nn.Linear and nn.Embedding initialise themselves from the global RNG, which ranks
+        # sharing a process also use: fork_rng puts its state back afterwards, and init_weights
+        # overwrites every value from a generator of our own. (Not the meta device: building an
+        # nn.Embedding there imports torch._dynamo, 3 s per process.)
+        with torch.random.fork_rng(devices=[]):
+            self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+            self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+            self.drop = nn.Dropout(config.dropout)
+            self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.init_weights(torch.Generator().manual_seed(seed))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """GPT-2 init: normal(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer).
+
+        Each output projection adds to the residual stream, 2 per block; the scaling keeps the
+        stream's variance from growing with depth. Values are drawn where the generator lives
+        (a CPU one: the default) and copied, so a seed gives the same model on every device.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("out_proj", "down_proj")) else 0.02
+                values = torch.randn(module.weight.shape, generator=generator,
+                                     device=generator.device)
+                module.weight.copy_(values * std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean loss."""
+        T = idx.shape[1]
+        assert T <= self.config.block_size, f"{T} tokens > block_size {self.config.block_size}"
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device)))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int,
+                 generator: torch.Generator | None = None, temperature: float = 1.0):
+        """Append ``max_new_tokens`` tokens to idx (B, T); temperature 0 takes the likeliest."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])  # the model sees block_size at most
+            logits = logits[:, -1, :]
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = F.softmax(logits / temperature, dim=-1)
+                # Sample where the generator lives: a CPU generator cannot drive CUDA sampling.
+                where = generator.device if generator is not None else probs.device
+                next_id = torch.multinomial(probs.to(where), 1, generator=generator)
+            idx = torch.cat([idx, next_id.to(idx.device)], dim=1)
+        return idx
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
