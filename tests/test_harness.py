@@ -278,3 +278,49 @@ def test_torchrun_launches_use_the_console_script_a_learner_types():
     script = Path(sys.executable).with_name("torchrun")
     expected = str(script) if script.is_file() else sys.executable
     assert LAUNCHERS["torchrun"][0] == expected
+
+
+def test_a_wrong_answer_replaces_functions_and_only_the_methods_it_defines():
+    from harness.selfcheck import with_wrong_answer
+
+    solution = textwrap.dedent('''
+        import os
+
+
+        def f(x):
+            return x + 1
+
+
+        class C:
+            """Kept."""
+
+            def a(self):
+                return 1
+
+            def b(self):
+                return 2
+    ''')
+    wrong = textwrap.dedent('''
+        """The docstring and the constants are not copied."""
+        import math
+
+        TASK = "task9_1"
+
+
+        def f(x):
+            return x - 1
+
+
+        class C:
+            def b(self):
+                return math.inf
+    ''')
+    namespace: dict = {}
+    exec(with_wrong_answer(solution, wrong), namespace)  # noqa: S102 - our own test source
+    assert namespace["f"](1) == 0 and "TASK" not in namespace
+    assert namespace["C"]().a() == 1 and namespace["C"]().b() == float("inf")
+    assert namespace["C"].__doc__ == "Kept."
+    with pytest.raises(ValueError, match="not a method"):
+        with_wrong_answer(solution, "class C:\n    def z(self):\n        pass\n")
+    with pytest.raises(ValueError, match="which the solution does not"):
+        with_wrong_answer(solution, "def g():\n    pass\n")

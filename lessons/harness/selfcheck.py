@@ -4,7 +4,8 @@
   mode is clean each time) and returns each test's outcome and message.
 - :func:`scratch_course` copies the course into a temporary folder, where an exercise file can be
   replaced without touching the real one.
-- :func:`with_wrong_answer` rewrites a reference solution with one known-wrong answer in it.
+- :func:`with_wrong_answer` rewrites a reference solution with one known-wrong answer in it
+  (a function, or the wrong methods of a class).
 """
 
 from __future__ import annotations
@@ -86,23 +87,46 @@ def _replaced(tree: ast.Module) -> dict[str, ast.stmt]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
 
 
-def with_wrong_answer(solution_source: str, wrong_source: str) -> str:
-    """The solution with each function or class that ``wrong_source`` defines replaced by it.
+def _functions(body: list[ast.stmt]) -> dict[str, ast.stmt]:
+    return {node.name: node for node in body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
-    The wrong answer's own top-level imports are added after the solution's imports; its other
-    top-level statements (its docstring, TASK, EXPECT) are not copied.
+
+def _span(node: ast.stmt) -> tuple[int, int]:
+    """First and last line of a definition, its decorators included (1-based)."""
+    return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno
+
+
+def with_wrong_answer(solution_source: str, wrong_source: str) -> str:
+    """The solution with the wrong answer's definitions put in place of the same-named ones.
+
+    A function replaces the solution's function. A class replaces only the methods it defines
+    (so a wrong answer shows just the method that is wrong); the rest of the solution's class
+    stays. The wrong answer's own top-level imports are added after the solution's imports; its
+    other top-level statements (its docstring, TASK, EXPECT) are not copied.
     """
     solution_tree, wrong_tree = ast.parse(solution_source), ast.parse(wrong_source)
     lines, wrong_lines = solution_source.splitlines(), wrong_source.splitlines()
     targets = _replaced(solution_tree)
     edits: list[tuple[int, int, list[str]]] = []  # (first line, last line, new lines), 1-based
+
+    def replace(old: ast.stmt, new: ast.stmt) -> None:
+        (start, end), (new_start, new_end) = _span(old), _span(new)
+        edits.append((start, end, wrong_lines[new_start - 1:new_end]))
+
     for name, node in _replaced(wrong_tree).items():
         if name not in targets:
             raise ValueError(f"the wrong answer defines {name!r}, which the solution does not")
         old = targets[name]
-        start = min([old.lineno] + [d.lineno for d in old.decorator_list])
-        new_start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-        edits.append((start, old.end_lineno, wrong_lines[new_start - 1:node.end_lineno]))
+        if isinstance(node, ast.ClassDef) and isinstance(old, ast.ClassDef):
+            methods = _functions(old.body)
+            for method_name, method in _functions(node.body).items():
+                if method_name not in methods:
+                    raise ValueError(f"{name}.{method_name} is not a method of the solution's "
+                                     f"{name}")
+                replace(methods[method_name], method)
+        else:
+            replace(old, node)
     if not edits:
         raise ValueError("the wrong answer defines no function or class to put in the solution")
     imports = [line for node in wrong_tree.body if isinstance(node, (ast.Import, ast.ImportFrom))

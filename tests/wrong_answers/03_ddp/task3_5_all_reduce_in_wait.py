@@ -9,25 +9,6 @@ EXPECT = r"no dist.all_reduce started before backward reached the first layer"
 
 
 class GradientBuckets:
-    def __init__(self, model: nn.Module, bucket_size: int = 2**20):
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets: list[list[nn.Parameter]] = []
-        current: list[nn.Parameter] = []
-        size = 0
-        for param in reversed(params):
-            if current and size + param.numel() > bucket_size:
-                self.buckets.append(current)
-                current, size = [], 0
-            current.append(param)
-            size += param.numel()
-        if current:
-            self.buckets.append(current)
-        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.ready = [0] * len(self.buckets)
-        self.pending: list[tuple[int, torch.Tensor, dist.Work]] = []
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                        for p in params]
-
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         index = self.bucket_of[param]
         self.ready[index] += 1
@@ -47,7 +28,3 @@ class GradientBuckets:
                 offset += count
         self.pending.clear()
         self.ready = [0] * len(self.buckets)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
