@@ -8,7 +8,9 @@ seconds, so torch's own timeout error ends them within seconds.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import difflib
 import io
 import os
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: see labs/05's start()
+import torch.distributed.nn  # noqa: F401  before any group exists: see the labs' start()
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -63,6 +65,50 @@ def runtime_error_from(action, expected: str) -> RuntimeError:
     except RuntimeError as error:
         return error
     raise AssertionError(f"expected a RuntimeError: {expected}")
+
+
+# ----------------------------------------------------------------------------- the labs' scaffold
+
+LABS = sorted((Path(__file__).parent / "labs").glob("[0-9][0-9]_*.py"))
+SCAFFOLD = ("start", "demo", "summarize", "main")
+
+
+def test_every_lab_carries_the_same_scaffold():
+    """A lab is one file a learner can copy and run alone, so the scaffold is copied into every
+    lab, not imported: one start(), identical everywhere; demo(fix, ...) and summarize(facts, fix)
+    called from main; the --fix and --result options."""
+    assert len(LABS) >= 15, f"expected the 15 labs, found {[p.name for p in LABS]}"
+    first, reference = None, None
+    for path in LABS:
+        source = path.read_text()
+        functions = {node.name: node for node in ast.parse(source).body
+                     if isinstance(node, ast.FunctionDef)}
+        missing = [name for name in SCAFFOLD if name not in functions]
+        assert not missing, f"labs/{path.name} lacks {missing}: copy them from labs/{LABS[0].name}"
+        start = ast.get_source_segment(source, functions["start"])
+        if reference is None:
+            first, reference = path.name, start
+        elif start != reference:
+            diff = "\n".join(difflib.unified_diff(reference.splitlines(), start.splitlines(),
+                                                  f"labs/{first}", f"labs/{path.name}",
+                                                  lineterm=""))
+            raise AssertionError(f"labs/{path.name}'s start() differs from labs/{first}'s: every "
+                                 f"lab carries the same copy, so change them all together\n{diff}")
+        demo = [a.arg for a in functions["demo"].args.args]
+        assert demo[:1] == ["fix"], f"labs/{path.name}: demo's first argument is fix, not {demo}"
+        summarize = [a.arg for a in functions["summarize"].args.args]
+        assert summarize == ["facts", "fix"], (
+            f"labs/{path.name}: summarize(facts, fix) returns (symptom, verdict); got {summarize}")
+        calls = [node for node in ast.walk(functions["main"]) if isinstance(node, ast.Call)]
+        called = {node.func.id for node in calls if isinstance(node.func, ast.Name)}
+        assert {"start", "demo", "summarize"} <= called, (
+            f"labs/{path.name}: main calls {sorted(called)}; it should call start, demo and "
+            f"summarize")
+        options = {node.args[0].value for node in calls
+                   if isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+                   and node.args and isinstance(node.args[0], ast.Constant)}
+        assert {"--fix", "--result"} <= options, (
+            f"labs/{path.name} accepts {sorted(options)}; every lab accepts --fix and --result")
 
 
 # ----------------------------------------------------------------------------- 1 · set_epoch

@@ -58,14 +58,26 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
                    f"{facts[0]['steps']} steps each")
 
 
-def start() -> tuple[int, int]:
-    """Join the group torchrun describes (gloo), or make a group of one under plain python."""
-    timeout = datetime.timedelta(seconds=30)
+def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+    """Join the group torchrun describes, or make a group of one under plain python.
+
+    Every lab carries this same function, so that each file runs on its own (a test keeps the
+    copies identical). ``backend``: gloo runs anywhere; lab 13 asks for nccl when every rank
+    has a GPU. ``timeout``, in seconds: how long a collective waits before torch raises an
+    error; labs 05 and 06 shorten it to show a hang.
+
+    torch.distributed.nn is imported here, before the group exists, on purpose: DDP imports it
+    on first use, and its functions then keep the group as a default argument, so
+    destroy_process_group cannot free it and the process may abort at exit ("terminate called
+    without an active exception")."""
+    import torch.distributed.nn  # noqa: F401
+
+    limit = datetime.timedelta(seconds=timeout)  # a hang becomes an error after this long
     if "RANK" in os.environ:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=limit)
     else:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=limit)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  (see start(): imported before the group exists)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -61,6 +60,18 @@ def demo(fix: bool, folder: str) -> dict:
     return {"rank": rank, "weight": weight.tolist()}
 
 
+def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
+    """(symptom seen?, one-line verdict) from the ranks' facts. After a hang the group is
+    broken and no rank can gather the others' facts, so each rank passes its own."""
+    for f in facts:
+        if f["error"]:
+            return True, (f"SYMPTOM: rank {f['rank']} waited {f['waited']:.1f} s for partners "
+                          f"that never came, then: {f['error']} (rerun with --fix)")
+    if facts[0]["world_size"] == 1:
+        return False, "NOT SHOWN: one rank has no partner to miss; start 2 ranks with torchrun"
+    return False, "FIXED: every rank passed the barrier and trained on"
+
+
 def shared_folder() -> str:
     """A temporary folder that rank 0 creates and every rank knows."""
     name = [tempfile.mkdtemp(prefix="lab05-") if dist.get_rank() == 0 else None]
@@ -68,19 +79,26 @@ def shared_folder() -> str:
     return name[0]
 
 
-def start(timeout: float) -> tuple[int, int]:
-    """Join the group torchrun describes (gloo), or make a group of one under plain python.
+def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+    """Join the group torchrun describes, or make a group of one under plain python.
 
-    torch.distributed.nn is imported above, before the group exists, on purpose: DDP imports it
+    Every lab carries this same function, so that each file runs on its own (a test keeps the
+    copies identical). ``backend``: gloo runs anywhere; lab 13 asks for nccl when every rank
+    has a GPU. ``timeout``, in seconds: how long a collective waits before torch raises an
+    error; labs 05 and 06 shorten it to show a hang.
+
+    torch.distributed.nn is imported here, before the group exists, on purpose: DDP imports it
     on first use, and its functions then keep the group as a default argument, so
     destroy_process_group cannot free it and the process may abort at exit ("terminate called
     without an active exception")."""
+    import torch.distributed.nn  # noqa: F401
+
     limit = datetime.timedelta(seconds=timeout)  # a hang becomes an error after this long
     if "RANK" in os.environ:
-        dist.init_process_group("gloo", timeout=limit)
+        dist.init_process_group(backend, timeout=limit)
     else:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=limit)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=limit)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -90,26 +108,24 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="process-group timeout, s")
     parser.add_argument("--result", type=Path, help="rank 0 writes the outcome here as JSON")
     args = parser.parse_args(argv)
-    rank, world_size = start(args.timeout)
+    rank, world_size = start(timeout=args.timeout)
     folder = shared_folder()
+    facts = {"rank": rank, "world_size": world_size, "error": None}
     began = time.monotonic()
     try:
         demo(args.fix, folder)
-        symptom, verdict = False, "FIXED: every rank passed the barrier and trained on"
-        if world_size == 1:
-            verdict = "NOT SHOWN: one rank has no partner to miss; start 2 ranks with torchrun"
     except RuntimeError as error:  # this rank waited --timeout seconds, then torch gave up
-        symptom = True
-        reason = str(error).splitlines()[0].split("] ", 1)[-1]  # without gloo's source line
-        verdict = (f"SYMPTOM: rank {rank} waited {time.monotonic() - began:.1f} s for partners "
-                   f"that never came, then: {reason} (rerun with --fix)")
+        facts["error"] = str(error).splitlines()[0].split("] ", 1)[-1]  # without gloo's line
+    facts["waited"] = time.monotonic() - began
     gc.collect()
+    symptom, verdict = summarize([facts], args.fix)  # after a hang, nobody can gather the rest
     if rank == 0 or symptom:  # normally rank 0 speaks; a rank that failed speaks for itself
         print(f"verdict: {verdict}", flush=True)
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
         if args.result:
-            args.result.write_text(json.dumps({"symptom": symptom, "verdict": verdict}))
+            args.result.write_text(json.dumps({"symptom": symptom, "verdict": verdict,
+                                               "ranks": [facts]}))
     dist.destroy_process_group()
 
 

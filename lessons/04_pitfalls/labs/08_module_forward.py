@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  (see start(): imported before the group exists)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -61,19 +60,26 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
     return False, "FIXED: every rank holds the same weights"
 
 
-def start() -> tuple[int, int]:
-    """Join the group torchrun describes (gloo), or make a group of one under plain python.
+def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+    """Join the group torchrun describes, or make a group of one under plain python.
 
-    torch.distributed.nn is imported above, before the group exists, on purpose: DDP imports it
+    Every lab carries this same function, so that each file runs on its own (a test keeps the
+    copies identical). ``backend``: gloo runs anywhere; lab 13 asks for nccl when every rank
+    has a GPU. ``timeout``, in seconds: how long a collective waits before torch raises an
+    error; labs 05 and 06 shorten it to show a hang.
+
+    torch.distributed.nn is imported here, before the group exists, on purpose: DDP imports it
     on first use, and its functions then keep the group as a default argument, so
     destroy_process_group cannot free it and the process may abort at exit ("terminate called
     without an active exception")."""
-    timeout = datetime.timedelta(seconds=30)
+    import torch.distributed.nn  # noqa: F401
+
+    limit = datetime.timedelta(seconds=timeout)  # a hang becomes an error after this long
     if "RANK" in os.environ:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=limit)
     else:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=limit)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  (see start(): imported before the group exists)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -80,26 +79,37 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
     return False, f"FIXED: {what}"
 
 
-def start() -> tuple[int, int]:
-    """Join the group torchrun describes (nccl with a GPU per rank, else gloo), or make a
-    group of one under plain python.
+def backend_for_this_machine() -> str:
+    """nccl when every rank on this machine has a GPU of its own (SyncBatchNorm needs it), else
+    gloo. For nccl it sets this process's GPU first, before anything else touches CUDA."""
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < local_world_size:
+        return "gloo"
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return "nccl"
 
-    torch.distributed.nn is imported above, before the group exists, on purpose: DDP imports it
+
+def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+    """Join the group torchrun describes, or make a group of one under plain python.
+
+    Every lab carries this same function, so that each file runs on its own (a test keeps the
+    copies identical). ``backend``: gloo runs anywhere; lab 13 asks for nccl when every rank
+    has a GPU. ``timeout``, in seconds: how long a collective waits before torch raises an
+    error; labs 05 and 06 shorten it to show a hang.
+
+    torch.distributed.nn is imported here, before the group exists, on purpose: DDP imports it
     on first use, and its functions then keep the group as a default argument, so
     destroy_process_group cannot free it and the process may abort at exit ("terminate called
     without an active exception")."""
-    timeout = datetime.timedelta(seconds=30)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = "nccl" if gpus >= local_world_size else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)  # before anything else touches CUDA
+    import torch.distributed.nn  # noqa: F401
+
+    limit = datetime.timedelta(seconds=timeout)  # a hang becomes an error after this long
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=limit)
     else:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=limit)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -108,7 +118,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fix", action="store_true", help="use SyncBatchNorm (GPUs only)")
     parser.add_argument("--result", type=Path, help="rank 0 writes the facts here as JSON")
     args = parser.parse_args(argv)
-    rank, world_size = start()
+    rank, world_size = start(backend_for_this_machine())
     facts = [None] * world_size
     dist.all_gather_object(facts, demo(args.fix))
     symptom, verdict = summarize(facts, args.fix)

@@ -107,6 +107,56 @@ def launch_from_notebook(script: Path, nproc: int = 2, timeout: float = 120) -> 
     return {"returncode": run.returncode, "output": run.stdout.strip()}
 
 
+def demo(fix: bool) -> dict:
+    """What the notebook sees. The symptom: a cell's mp.spawn, and a lone init_process_group
+    while it runs. The fix: a guarded script written to a file and launched with torchrun."""
+    if fix:
+        with tempfile.TemporaryDirectory() as folder:
+            script = Path(folder) / "train.py"
+            script.write_text(TRAINING_SCRIPT)  # a notebook: %%writefile train.py
+            return {"launch": launch_from_notebook(script)}
+    cell = start_cell()
+    facts = {"init": init_without_partners()}  # while the cell's children start
+    facts["spawn"] = cell_outcome(cell)
+    return facts
+
+
+def summarize(facts: dict, fix: bool) -> tuple[bool, str]:
+    """(symptom seen?, one-line verdict) from the facts of this one process, the kernel."""
+    if "launch" in facts:
+        if facts["launch"]["returncode"] == 0:
+            return False, ("FIXED: the guarded script ran on 2 ranks under torchrun, started as "
+                           "a subprocess; this process stayed one process")
+        return True, "NOT FIXED: torchrun failed"
+    if facts["spawn"]["returncode"] != 0 and "Timed out" in facts["init"]:
+        return True, ("SYMPTOM: the spawned children cannot find a function defined in a cell, "
+                      "and a lone init_process_group waits for partners (rerun with --fix)")
+    return False, "NOT SHOWN: the cell's spawn worked"
+
+
+def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+    """Join the group torchrun describes, or make a group of one under plain python.
+
+    Every lab carries this same function, so that each file runs on its own (a test keeps the
+    copies identical). ``backend``: gloo runs anywhere; lab 13 asks for nccl when every rank
+    has a GPU. ``timeout``, in seconds: how long a collective waits before torch raises an
+    error; labs 05 and 06 shorten it to show a hang.
+
+    torch.distributed.nn is imported here, before the group exists, on purpose: DDP imports it
+    on first use, and its functions then keep the group as a default argument, so
+    destroy_process_group cannot free it and the process may abort at exit ("terminate called
+    without an active exception")."""
+    import torch.distributed.nn  # noqa: F401
+
+    limit = datetime.timedelta(seconds=timeout)  # a hang becomes an error after this long
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=limit)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=limit)
+    return dist.get_rank(), dist.get_world_size()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fix", action="store_true", help="launch a guarded script with "
@@ -114,32 +164,23 @@ def main(argv=None) -> None:
     parser.add_argument("--result", type=Path, help="writes the outcome here as JSON")
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # started by torchrun: this lab is about not being there
-        if os.environ["RANK"] == "0":
-            print("verdict: NOT SHOWN: this lab plays a notebook kernel; run it with python")
+        rank, _ = start()  # join the group, so the ranks end together and rank 0 speaks
+        if rank == 0:
+            verdict = "NOT SHOWN: this lab plays a notebook kernel; run it with python"
+            print(f"verdict: {verdict}")
+            if args.result:
+                args.result.write_text(json.dumps({"symptom": False, "verdict": verdict}))
+        dist.destroy_process_group()
         return
-    if args.fix:
-        with tempfile.TemporaryDirectory() as folder:
-            script = Path(folder) / "train.py"
-            script.write_text(TRAINING_SCRIPT)  # a notebook: %%writefile train.py
-            facts = {"launch": launch_from_notebook(script)}
+    facts = demo(args.fix)
+    if "launch" in facts:
         print(f"torchrun exited with {facts['launch']['returncode']}: "
               f"{facts['launch']['output']}")
-        ok = facts["launch"]["returncode"] == 0
-        symptom = not ok
-        verdict = ("FIXED: the guarded script ran on 2 ranks under torchrun, started as a "
-                   "subprocess; this process stayed one process" if ok
-                   else "NOT FIXED: torchrun failed")
     else:
-        cell = start_cell()
-        facts = {"init": init_without_partners()}  # while the cell's children start
-        facts["spawn"] = cell_outcome(cell)
         print(f"mp.spawn from a cell: exit code {facts['spawn']['returncode']}: "
               f"{facts['spawn']['error']}")
         print(f"init_process_group(world_size=2) alone: {facts['init']}")
-        symptom = facts["spawn"]["returncode"] != 0 and "Timed out" in facts["init"]
-        verdict = ("SYMPTOM: the spawned children cannot find a function defined in a cell, "
-                   "and a lone init_process_group waits for partners (rerun with --fix)"
-                   if symptom else "NOT SHOWN: the cell's spawn worked")
+    symptom, verdict = summarize(facts, args.fix)
     print(f"verdict: {verdict}")
     if args.result:
         args.result.write_text(json.dumps({"symptom": symptom, "verdict": verdict, **facts}))
