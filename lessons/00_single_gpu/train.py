@@ -56,7 +56,7 @@ def build_model(hidden: int = HIDDEN) -> nn.Module:
     )
 
 
-def pick_device(requested: str = "auto") -> torch.device:
+def choose_device(requested: str = "auto") -> torch.device:
     """The one place the device is decided; everything after this only uses the answer."""
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -221,7 +221,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        device = pick_device(args.device)
+        device = choose_device(args.device)
         if args.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("--bf16: this GPU has no bfloat16 support; run without --bf16")
     except ValueError as err:

@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,17 +32,17 @@ from torch import nn
 WARMUP_STEPS = 1  # per m, not timed: the first step at a new size allocates and picks kernels
 
 
-def pick_device_pair() -> list[torch.device]:
+def pick_device_pair() -> tuple[torch.device, torch.device]:
     """Two GPUs if there are two, else one GPU and the CPU, else the CPU twice."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus >= 2:
-        return [torch.device("cuda:0"), torch.device("cuda:1")]
+        return torch.device("cuda:0"), torch.device("cuda:1")
     if gpus == 1:
-        return [torch.device("cuda:0"), torch.device("cpu")]
-    return [torch.device("cpu"), torch.device("cpu")]
+        return torch.device("cuda:0"), torch.device("cpu")
+    return torch.device("cpu"), torch.device("cpu")
 
 
-def build_stages(width: int, depth: int, devices: list[torch.device]) -> list[nn.Sequential]:
+def build_stages(width: int, depth: int, devices: Sequence[torch.device]) -> list[nn.Sequential]:
     """An MLP of ``depth`` Linear layers, cut into one stage per device and moved there."""
     torch.manual_seed(0)  # the same initial weights on every machine
     layers: list[nn.Module] = []
@@ -58,7 +59,7 @@ def build_stages(width: int, depth: int, devices: list[torch.device]) -> list[nn
             for k, device in enumerate(devices)]
 
 
-def gpipe_step(stages: list[nn.Module], devices: list[torch.device], inputs: torch.Tensor,
+def gpipe_step(stages: list[nn.Module], devices: Sequence[torch.device], inputs: torch.Tensor,
                targets: torch.Tensor, num_micro_batches: int) -> torch.Tensor:
     """Forward and backward of one batch in ``num_micro_batches`` pieces, in GPipe's order.
 

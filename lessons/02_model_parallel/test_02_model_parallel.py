@@ -623,7 +623,8 @@ def test_the_scripts_pick_the_best_device_pair(split_model, sweep, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     for script in (split_model, sweep):
-        assert [str(d) for d in script.pick_device_pair()] == expected, script.__name__
+        pair = script.pick_device_pair()
+        assert pair == tuple(torch.device(d) for d in expected), (script.__name__, pair)
 
 
 def test_the_sweeps_gpipe_step_trains_like_the_full_batch(sweep):
