@@ -57,6 +57,9 @@ def test_lesson_is_complete(lesson):
     readme = (folder / "README.md").read_text()
     tests = (folder / f"test_{lesson}.py").read_text()
     for task in tasks:
+        assert re.search(rf"^### {task}: `", readme, re.M), (
+            f"README has no heading for {task}: give it ### {task}: `function(args)`, then the "
+            f"task in a few sentences, its command and its hint")
         assert re.search(rf"<summary>[^<]*\b{task}\b", readme), f"README has no hint for {task}"
         assert f"pytest lessons/{lesson} -m {task}" in readme, f"README: no command for {task}"
         assert f"mark.{task}" in tests, f"no test carries the {task} marker"
