@@ -825,6 +825,23 @@ def test_doctor_runs_as_one_process_without_a_launcher(launches):
     assert data["ok"] and [r["rank"] for r in data["ranks"]] == [0]
     assert "bandwidth" not in data, "one rank has nobody to measure bandwidth with"
     assert data["environment"]["torch"] == torch.__version__
+    packages = data["environment"]["packages"]
+    assert packages["numpy"] != "missing" and packages["pytest"] != "missing", packages
+
+
+def test_doctor_names_a_missing_package_and_the_fix(monkeypatch):
+    doctor = load_lesson_module(LESSON, "doctor")
+    real_version = doctor.importlib.metadata.version
+
+    def version(name):
+        if name == "numpy":
+            raise doctor.importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(doctor.importlib.metadata, "version", version)
+    found, problems = doctor.packages()
+    assert found["numpy"] == "missing"
+    assert problems == [f"numpy is missing ({doctor.NEEDED_PACKAGES['numpy']})"], problems
 
 
 @pytest.mark.slow
@@ -834,6 +851,10 @@ def test_doctor_names_a_stalled_rank_instead_of_hanging(launches):
     assert run.data["failed_step"] == "barrier" and run.data["kind"] == "hang", run.data
     assert "rank(s) 1" in run.data["verdict"], run.data["verdict"]
     assert any("verdict: HANG" in line for line in run.rank_lines(0)), run.output[-2000:]
+    # One line per rank: only rank 0 gives the verdict and the next steps.
+    other = [line for line in run.rank_lines(1) if "[FAIL]" in line or "next steps" in line
+             or "verdict" in line]
+    assert len(other) == 1 and "[FAIL] barrier" in other[0], other
 
 
 @pytest.mark.slow
