@@ -26,7 +26,7 @@ TARGETS = {"pytest lessons/03_ddp": 20.0, "pytest --solutions": 90.0}
 def timed(*args: str) -> tuple[float, int]:
     env = {k: v for k, v in os.environ.items() if k not in ("COURSE_SOLUTIONS", "COURSE_STRICT")}
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:terminal", *args],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", *args],
                          cwd=REPO_ROOT, env=env, capture_output=True, timeout=1200)
     return time.perf_counter() - started, run.returncode
 
