@@ -24,7 +24,7 @@ from harness.exercises import (
     load_path,
 )
 from harness.grading import HARDWARE_SKIP_PREFIX
-from harness.selfcheck import exercise_files, run_lesson_tests, tasks_of
+from harness.selfcheck import RUN_TIMEOUT, exercise_files, run_lesson_tests, tasks_of
 
 LESSONS = lesson_names()
 
@@ -169,6 +169,7 @@ def test_stub_and_solution_differ_only_in_the_task_bodies(lesson):
         assert not wording, f"solutions/{lesson}/{name} speaks to a learner: {wording}"
 
 
+@pytest.mark.timeout(RUN_TIMEOUT)
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_solutions_pass_with_only_hardware_skips(lesson, tmp_path):
     outcomes = run_lesson_tests(lesson, tmp_path, "--solutions")
@@ -178,6 +179,7 @@ def test_solutions_pass_with_only_hardware_skips(lesson, tmp_path):
     assert not bad, f"solutions of {lesson} do not pass cleanly: {bad}"
 
 
+@pytest.mark.timeout(RUN_TIMEOUT)
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_every_untouched_stub_fails_in_strict_mode(lesson, tmp_path):
     tasks = tasks_of(lesson)
@@ -190,6 +192,7 @@ def test_every_untouched_stub_fails_in_strict_mode(lesson, tmp_path):
     assert any(outcome == "failure" for outcome, _ in outcomes.values())
 
 
+@pytest.mark.timeout(RUN_TIMEOUT * 3)  # all lessons, one after the other
 def test_learner_mode_is_green_on_the_untouched_course(tmp_path):
     """A fresh clone's ``pytest``: passes and not-attempted skips (and hardware skips) only."""
     for lesson in LESSONS:

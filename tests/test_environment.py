@@ -27,7 +27,8 @@ from harness.launch import start_script
 
 COURSE_FILES = sorted(p for folder in ("lessons", "solutions", "tests")
                       for p in (REPO_ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
-FIRST_PARTY = {"harness"} | {p.stem for p in COURSE_FILES}
+FIRST_PARTY = ({p.name for p in (REPO_ROOT / "lessons").iterdir() if (p / "__init__.py").is_file()}
+               | {p.stem for p in COURSE_FILES})  # harness, gpt, and the course's own files
 # Imported only on request, with a clear message when missing; not needed to learn or grade.
 OPTIONAL = {"matplotlib": "pipeline_sweep.py --plot (the script says how to install it)"}
 

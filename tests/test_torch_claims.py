@@ -73,7 +73,8 @@ def test_torchrun_restarts_nothing_by_default():
 
 def test_torchrun_tee_prefixes_lines_with_role_and_local_rank(tmp_path):
     """04 README, lab 15: "`torchrun --tee 3` prefixes every line with the role and the *local*
-    rank, `[default0]:`"; the global rank needs `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`;
+    rank, `[default0]:`"; the global rank needs `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE` (or, from
+    torch 2.14, `--log-line-prefix-template`);
     `--local-ranks-filter 0` exists."""
     args = torchrun_args("--tee", "3", "--local-ranks-filter", "0")
     assert (args.tee, args.local_ranks_filter, args.role) == ("3", "0", "default")
@@ -83,7 +84,9 @@ def test_torchrun_tee_prefixes_lines_with_role_and_local_rank(tmp_path):
     TailLog(args.role, {1: str(log)}, out).start().stop()  # what --tee does for local rank 1
     assert out.getvalue() == "[default1]:hello\n"
     assert "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" in inspect.getsource(run)
-    assert "--log-line-prefix-template" not in run.get_args_parser().format_help()
+    # "torch 2.14 and newer also take it as `--log-line-prefix-template`"
+    has_flag = "--log-line-prefix-template" in run.get_args_parser().format_help()
+    assert has_flag == (torch.torch_version.TorchVersion(torch.__version__) >= "2.14"), has_flag
 
 
 def test_nproc_per_node_gpu_counts_the_gpus_this_process_sees():

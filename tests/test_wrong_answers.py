@@ -89,6 +89,7 @@ def graded(request, tmp_path_factory):
     pool.shutdown(wait=True)
 
 
+@pytest.mark.timeout(RUN_TIMEOUT * 2)  # its run may wait in the queue behind another
 @pytest.mark.parametrize("lesson", lesson_names())
 def test_the_unmodified_solution_passes_in_a_scratch_copy(graded, lesson):
     run = graded[("control", lesson)].result()
@@ -109,6 +110,7 @@ def test_every_task_has_at_least_two_wrong_answers():
     assert not missing, f"tasks with fewer than two known wrong answers: {missing}"
 
 
+@pytest.mark.timeout(RUN_TIMEOUT * 2)
 @pytest.mark.parametrize("path", WRONG_ANSWERS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_the_grader_rejects_the_wrong_answer(graded, path, request):
     info = read_wrong_answer(path)
