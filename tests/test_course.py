@@ -24,7 +24,13 @@ from harness.exercises import (
     load_path,
 )
 from harness.grading import HARDWARE_SKIP_PREFIX
-from harness.selfcheck import RUN_TIMEOUT, exercise_files, run_lesson_tests, tasks_of
+from harness.selfcheck import (
+    RUN_TIMEOUT,
+    exercise_files,
+    run_lesson_tests,
+    tasks_of,
+    whole_course_outcomes,
+)
 
 LESSONS = lesson_names()
 
@@ -172,7 +178,7 @@ def test_stub_and_solution_differ_only_in_the_task_bodies(lesson):
 @pytest.mark.timeout(RUN_TIMEOUT)
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_solutions_pass_with_only_hardware_skips(lesson, tmp_path):
-    outcomes = run_lesson_tests(lesson, tmp_path, "--solutions")
+    outcomes = whole_course_outcomes(lesson, "solutions", tmp_path)
     bad = {node: result for node, result in outcomes.items()
            if result[0] in ("failure", "error")
            or (result[0] == "skipped" and HARDWARE_SKIP_PREFIX not in result[1])}
@@ -196,7 +202,7 @@ def test_every_untouched_stub_fails_in_strict_mode(lesson, tmp_path):
 def test_learner_mode_is_green_on_the_untouched_course(tmp_path):
     """A fresh clone's ``pytest``: passes and not-attempted skips (and hardware skips) only."""
     for lesson in LESSONS:
-        outcomes = run_lesson_tests(lesson, tmp_path)
+        outcomes = whole_course_outcomes(lesson, "learner", tmp_path)
         bad = {node: result for node, result in outcomes.items()
                if result[0] in ("failure", "error")
                or (result[0] == "skipped" and not (

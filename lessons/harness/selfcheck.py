@@ -1,7 +1,8 @@
 """Running the course's own tests from the outside, for the integrity suite under ``tests/``.
 
 - :func:`run_lesson_tests` runs one lesson's tests in a fresh ``pytest`` process (so the graded
-  mode is clean each time) and returns each test's outcome and message.
+  mode is clean each time) and returns each test's outcome and message;
+  :func:`whole_course_outcomes` reads them from the reports CI has just written instead.
 - :func:`scratch_course` copies the course into a temporary folder, where an exercise file can be
   replaced without touching the real one.
 - :func:`with_wrong_answer` rewrites a reference solution with one known-wrong answer in it
@@ -23,6 +24,7 @@ from harness.exercises import LESSONS_DIR, REPO_ROOT
 
 STUB_TASK = re.compile(r'NotImplementedError\(\s*f?["\'](task\d+_\d+):')
 RUN_TIMEOUT = 300.0  # seconds for one lesson's tests; the pytest-timeout inside is shorter
+CI_REPORTS_ENV = "COURSE_CI_REPORTS"  # where .ci/run keeps the whole course's JUnit reports
 
 
 def tasks_of(lesson: str) -> list[str]:
@@ -39,18 +41,37 @@ def exercise_files(lesson: str) -> list[str]:
     return sorted(p.name for p in (LESSONS_DIR / lesson).glob("exercises*.py"))
 
 
-def run_lesson_tests(lesson: str, report_dir: Path, *args: str, root: Path = REPO_ROOT,
-                     timeout: float = RUN_TIMEOUT, **env: str) -> dict[str, tuple[str, str]]:
-    """Run ``pytest lessons/<lesson> *args`` under ``root``; return {nodeid: (outcome, text)}.
+def read_report(report: Path, lesson: str | None = None) -> dict[str, tuple[str, str]]:
+    """{nodeid: (outcome, text)} from a pytest JUnit XML report, for one lesson or all.
 
     ``outcome`` is "passed", "failure", "error" or "skipped"; ``text`` is the failure's message
-    followed by its full report (or the skip reason). The grading mode comes from ``env`` only:
-    the caller's COURSE_SOLUTIONS / COURSE_STRICT are not inherited.
+    followed by its full report (or the skip reason)."""
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        classname = case.get("classname") or ""
+        if lesson is not None and not classname.startswith(f"lessons.{lesson}."):
+            continue
+        outcome, text = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            element = case.find(kind)
+            if element is not None:
+                outcome = kind
+                text = f"{element.get('message') or ''}\n{element.text or ''}".strip()
+        outcomes[f"{classname}::{case.get('name')}"] = (outcome, text)
+    return outcomes
+
+
+def run_lesson_tests(lesson: str, report_dir: Path, *args: str, root: Path = REPO_ROOT,
+                     timeout: float = RUN_TIMEOUT, **env: str) -> dict[str, tuple[str, str]]:
+    """Run ``pytest lessons/<lesson> *args`` under ``root``; return :func:`read_report`'s dict.
+
+    The grading mode comes from ``env`` only: the caller's COURSE_SOLUTIONS / COURSE_STRICT are
+    not inherited.
     """
     report = Path(report_dir) / f"report-{lesson}.xml"
     report.unlink(missing_ok=True)
     environment = {k: v for k, v in os.environ.items()
-                   if k not in ("COURSE_SOLUTIONS", "COURSE_STRICT")}
+                   if k not in ("COURSE_SOLUTIONS", "COURSE_STRICT", CI_REPORTS_ENV)}
     environment.update(env)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", f"lessons/{lesson}", "-q", "-p", "no:cacheprovider",
@@ -58,18 +79,25 @@ def run_lesson_tests(lesson: str, report_dir: Path, *args: str, root: Path = REP
         cwd=root, env=environment, capture_output=True, text=True, timeout=timeout,
     )
     assert report.exists(), f"pytest produced no report:\n{run.stdout}\n{run.stderr}"
-    outcomes = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        nodeid = f"{case.get('classname')}::{case.get('name')}"
-        outcome, text = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            element = case.find(kind)
-            if element is not None:
-                outcome = kind
-                text = f"{element.get('message') or ''}\n{element.text or ''}".strip()
-        outcomes[nodeid] = (outcome, text)
+    outcomes = read_report(report)
     assert outcomes, f"no test ran for {lesson}:\n{run.stdout}\n{run.stderr}"
     return outcomes
+
+
+def whole_course_outcomes(lesson: str, mode: str, report_dir: Path) -> dict[str, tuple[str, str]]:
+    """A lesson's outcomes in ``mode`` ("learner" or "solutions"), every test of it.
+
+    CI has just run the whole course both ways (``pytest`` and ``pytest --solutions``, with
+    ``--junitxml=$COURSE_CI_REPORTS/<mode>.xml``): read those reports instead of running the
+    same tests again. Anywhere else, run the lesson's tests now.
+    """
+    saved = Path(os.environ.get(CI_REPORTS_ENV, "")) / f"{mode}.xml"
+    if os.environ.get(CI_REPORTS_ENV) and saved.is_file():
+        outcomes = read_report(saved, lesson)
+        assert outcomes, f"{saved} has no test of {lesson}"
+        return outcomes
+    flags = ("--solutions",) if mode == "solutions" else ()
+    return run_lesson_tests(lesson, report_dir, *flags)
 
 
 def scratch_course(destination: Path) -> Path:
