@@ -62,15 +62,19 @@ def _diagnosis(actual: torch.Tensor, expected: torch.Tensor) -> str:
     mean = float(ratio.mean())
     if float((ratio - mean).abs().max()) > 1e-3 * max(1.0, abs(mean)):
         return ""
-    for factor in (mean, 1 / mean if mean else 0.0):
-        whole = round(factor)
-        if whole >= 2 and abs(factor - whole) < 1e-3 * whole:
-            if factor is mean:
-                return (f". Every value is {whole}x the expected one: did you sum over {whole} "
-                        f"ranks (or micro-batches) without dividing by their number?")
-            return (f". Every value is 1/{whole} of the expected one: did you divide by "
-                    f"{whole} once too often?")
+    if (times := _whole(mean)) is not None:
+        return (f". Every value is {times}x the expected one: did you sum over {times} "
+                f"ranks (or micro-batches) without dividing by their number?")
+    if mean and (parts := _whole(1 / mean)) is not None:
+        return (f". Every value is 1/{parts} of the expected one: did you divide by "
+                f"{parts} once too often?")
     return ""
+
+
+def _whole(factor: float) -> int | None:
+    """``factor`` as a whole number of at least 2, when it is one (to 0.1 %)."""
+    whole = round(factor)
+    return whole if whole >= 2 and abs(factor - whole) < 1e-3 * whole else None
 
 
 def _isclose_args(tolerances: dict) -> dict:
