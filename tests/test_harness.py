@@ -324,3 +324,70 @@ def test_a_wrong_answer_replaces_functions_and_only_the_methods_it_defines():
         with_wrong_answer(solution, "class C:\n    def z(self):\n        pass\n")
     with pytest.raises(ValueError, match="which the solution does not"):
         with_wrong_answer(solution, "def g():\n    pass\n")
+
+
+# --------------------------------------------------------------------------------------------
+# harness.forkserver: graded runs forked from a server that has imported torch once.
+
+
+def _pytest_folder(tmp_path: Path, test_source: str) -> Path:
+    folder = tmp_path / "run"
+    (folder / "mine").mkdir(parents=True)
+    (folder / "mine" / "__init__.py").write_text("WHERE = 'this folder'\n")
+    (folder / "test_it.py").write_text(textwrap.dedent(test_source))
+    return folder
+
+
+def test_forkserver_runs_pytest_in_the_folder_with_the_environment_given(tmp_path):
+    from harness import forkserver
+
+    folder = _pytest_folder(tmp_path, """
+        import os, sys
+        import mine
+
+        def test_it():
+            print("cwd", os.getcwd(), "x", os.environ.get("COURSE_X"), "home", "HOME" in os.environ)
+            assert mine.WHERE == "this folder"
+            assert "torch" in sys.modules  # imported by the server, before the fork
+
+        def test_fails():
+            assert False, "this one fails"
+    """)
+    code, output = forkserver.run_pytest(["-q", "-s", "-p", "no:cacheprovider", "test_it.py"],
+                                         folder, {"COURSE_X": "1", "PATH": os.environ["PATH"]},
+                                         timeout=60)
+    assert code == 1, output  # pytest's "some tests failed"
+    assert f"cwd {folder} x 1 home False" in output, output
+    assert "1 failed, 1 passed" in output, output
+
+
+def test_forkserver_kills_a_run_and_its_children_at_the_timeout(tmp_path):
+    from harness import forkserver
+
+    marker = tmp_path / "child.pid"
+    folder = _pytest_folder(tmp_path, f"""
+        import subprocess, time
+
+        def test_hangs():
+            child = subprocess.Popen(["sleep", "300"])
+            open({str(marker)!r}, "w").write(str(child.pid))
+            time.sleep(300)
+    """)
+    started = time.monotonic()
+    code, _ = forkserver.run_pytest(["-q", "-p", "no:cacheprovider", "-p", "no:timeout",
+                                     "test_it.py"], folder, dict(os.environ), timeout=5)
+    assert code == forkserver.TIMED_OUT
+    assert time.monotonic() - started < 30
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a zombie counts as gone: it is nobody's child here once the group is killed
+        if Path(f"/proc/{child}/stat").exists() and ") Z" in Path(f"/proc/{child}/stat").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the run's child {child} outlived the timeout")

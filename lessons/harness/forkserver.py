@@ -1,0 +1,138 @@
+"""Run pytest many times without paying for torch's import each time.
+
+The integrity suite grades a hundred scratch copies of the course, one ``pytest`` run each. A
+fresh interpreter spends seconds importing torch (about 3.5 s for the CUDA build on a 2-core
+machine) before its first test: most of each run. Here a server process imports torch and pytest
+once and forks a child for each run. The child starts with them already imported, moves into the
+run's folder, takes the run's environment and calls ``pytest.main`` there.
+
+The server imports nothing of the course, so each child imports the ``harness``, lessons and
+exercises of the folder it runs in (a scratch copy has its own). The child runs in a session of
+its own: when its time is up, it and every process it started are killed together.
+
+    rc, output = run_pytest(["lessons/00_single_gpu", "-q"], cwd=root, env=env, timeout=300)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+TIMED_OUT = -9  # the exit status run_pytest returns when the run was killed at its timeout
+
+_SERVER = r"""
+import json, os, signal, sys, time, traceback
+# The expensive imports, once. Nothing of the course: children import their own copy of it.
+import torch, torch.distributed, torch.multiprocessing, torch.nn, torch.utils.data  # noqa
+import pytest
+
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            os.setsid()  # a group of its own: killed with everything it starts
+            os.chdir(job["cwd"])
+            os.environ.clear()
+            os.environ.update(job["env"])
+            log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            sys.argv = ["pytest", *job["args"]]
+            code = int(pytest.main(job["args"]))
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + job["timeout"]
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            code = TIMED_OUT
+            break
+        time.sleep(0.02)
+    print(json.dumps({"code": code}), flush=True)
+""".replace("TIMED_OUT", str(TIMED_OUT))
+
+
+class _Server:
+    def __init__(self) -> None:
+        # The server's own environment only matters for importing torch; each run gets its own.
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, cwd=tempfile.gettempdir())
+
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+        with tempfile.NamedTemporaryFile("r", suffix=".log", delete=False) as log:
+            path = log.name
+        try:
+            job = {"args": args, "cwd": str(cwd), "env": env, "timeout": timeout, "log": path}
+            self.process.stdin.write(json.dumps(job) + "\n")
+            self.process.stdin.flush()
+            reply = self.process.stdout.readline()
+            if not reply:
+                raise RuntimeError(f"the pytest fork server exited ({self.process.poll()})")
+            return json.loads(reply)["code"], Path(path).read_text(errors="replace")
+        finally:
+            os.unlink(path)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # the server's loop ends at end of input
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+_local = threading.local()  # one server per thread: each runs one job at a time
+_servers: list[_Server] = []
+_lock = threading.Lock()
+
+
+def _server() -> _Server:
+    server = getattr(_local, "server", None)
+    if server is None or server.process.poll() is not None:
+        server = _local.server = _Server()
+        with _lock:
+            _servers.append(server)
+    return server
+
+
+@atexit.register
+def close_all() -> None:
+    with _lock:
+        for server in _servers:
+            server.close()
+        _servers.clear()
+
+
+def available() -> bool:
+    """Forking is POSIX-only; elsewhere callers start a fresh interpreter per run."""
+    return hasattr(os, "fork")
+
+
+def run_pytest(args: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """``pytest.main(args)`` in a forked child in ``cwd`` with ``env``; its exit status
+    (``TIMED_OUT`` when it was killed at ``timeout`` seconds) and everything it printed."""
+    return _server().run(list(args), Path(cwd), dict(env), timeout)
