@@ -391,3 +391,24 @@ def test_forkserver_kills_a_run_and_its_children_at_the_timeout(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the run's child {child} outlived the timeout")
+
+
+def test_raise_if_untouched_tells_a_stub_from_an_answer():
+    from harness.exercises import raise_if_untouched, task_of
+
+    def stub(x):
+        """The contract."""
+        raise NotImplementedError("task9_9: write this")
+
+    def answer(x):
+        """The contract."""
+        return x
+
+    def refuses(x):
+        raise NotImplementedError("not supported")  # a real answer may raise this
+
+    with pytest.raises(NotImplementedError) as info:
+        raise_if_untouched(stub)
+    assert task_of(info.value) == "task9_9"
+    raise_if_untouched(answer)
+    raise_if_untouched(refuses)
