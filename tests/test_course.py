@@ -228,7 +228,8 @@ NOT_RUN_BY_CI = {
     "pip install -r requirements.txt": ".ci/venv installs requirements.txt into that venv",
     "mkdocs serve": "CI builds the same site with mkdocs build --strict",
     "git checkout --": "resets a learner's exercise; a fresh clone has nothing to reset",
-    "diff lessons/": "compares a learner's exercise with its answer",
+    "diff lessons/": ("compares two files (an exercise with its answer, or two steps of the "
+                      "chain: tests/test_chain.py checks the diffs the READMEs show)"),
     "bash .ci/gpu-checks": "needs a GPU; run it on a GPU machine",
 }
 

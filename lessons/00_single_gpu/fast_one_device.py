@@ -38,7 +38,7 @@ def count_weights(model: nn.Module) -> int:
 
 
 def sync(device: torch.device) -> None:
-    # CUDA kernels are queued, not finished, when Python moves on: wait before reading a clock.
+    """Wait for the device's queued work: CUDA kernels run asynchronously to Python."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -1,77 +1,50 @@
-"""Train a small classifier on one device, done right.
+"""Train the course's running example, a small GPT over characters, on one device, done right.
 
     python lessons/00_single_gpu/train.py                      # CUDA if there is one, else CPU
-    python lessons/00_single_gpu/train.py --device cpu --epochs 3 --result runs/r.json
-    python lessons/00_single_gpu/train.py --bf16 --compile     # the speed switches
+    python lessons/00_single_gpu/train.py --device cpu --epochs 1 --result runs/r.json
+    python lessons/00_single_gpu/train.py --size gpu --bf16 --compile   # a size worth a GPU
 
-One file, top to bottom: a synthetic data set, a model, one epoch of training, an exact
-validation pass, honest throughput, and a machine-readable result that tests can read.
-The later lessons spread this same script over many devices.
+The model and data come from lessons/gpt. Lessons 01, 02 and 03 each change a few lines of
+this file, and `diff` against it shows exactly which: those lines are the lesson.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import random
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset
 
-# The task: points in IN_FEATURES dimensions, labelled by a fixed random "teacher" network.
-# It is the same task whatever --seed says: --seed changes only this run's own randomness
-# (the initial weights and the order of the batches).
-DATA_SEED = 1234
-IN_FEATURES, TEACHER_HIDDEN, N_CLASSES = 8, 16, 4
-HIDDEN = 128  # the student's width: much bigger than the teacher's, as in real life
-N_TRAIN = 4096
-N_VAL = 1000  # not a multiple of the batch size, so the last validation batch is short
-
-
-def make_dataset(n_train: int = N_TRAIN, n_val: int = N_VAL, seed: int = DATA_SEED):
-    """Train and validation sets of (float32 features [N, IN_FEATURES], int64 labels [N]).
-
-    Generated on the CPU from its own generator, so it is bit-for-bit the same on every machine
-    and does not depend on (or disturb) the global random state.
-    """
-    g = torch.Generator().manual_seed(seed)
-    teacher_in = torch.randn(IN_FEATURES, TEACHER_HIDDEN, generator=g) / IN_FEATURES**0.5
-    teacher_out = torch.randn(TEACHER_HIDDEN, N_CLASSES, generator=g)
-    x = torch.randn(n_train + n_val, IN_FEATURES, generator=g)
-    y = (torch.tanh(x @ teacher_in) @ teacher_out).argmax(dim=1)
-    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
-
-
-def build_model(hidden: int = HIDDEN) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(IN_FEATURES, hidden), nn.GELU(),
-        nn.Linear(hidden, hidden), nn.GELU(),
-        nn.Linear(hidden, N_CLASSES),
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
+from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, train_val_split  # noqa: E402
 
 
 def choose_device(requested: str = "auto") -> torch.device:
     """The one place the device is decided; everything after this only uses the answer."""
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"device {requested!r} is unknown; try cpu, cuda or cuda:1") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {requested!r}: this script runs on cpu or cuda")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and gpus == 0:
         why = ("this torch build has no CUDA support" if torch.version.cuda is None
                else "no CUDA GPU is visible to this process")
-        raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); "
-                         "use --device cpu or --device auto")
-    return torch.device(requested)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed every global generator this script draws from (model init uses torch's)."""
-    random.seed(seed)
-    torch.manual_seed(seed)  # seeds the CPU and every CUDA device
+        raise ValueError(f"device {requested!r}: {why} (torch {torch.__version__}); "
+                         "use cpu or auto")
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise ValueError(f"device {requested!r}: this machine has {gpus} GPU(s), "
+                         f"cuda:0 to cuda:{gpus - 1}")
+    return device
 
 
 def sync(device: torch.device) -> None:
@@ -85,24 +58,30 @@ def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.d
     pin = device.type == "cuda"
     # The shuffle has its own generator: the batch order depends on --seed and nothing else.
     order = torch.Generator().manual_seed(seed)
-    train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, generator=order,
-                              pin_memory=pin)
+    train_loader = DataLoader(train_set, batch_size, shuffle=True, generator=order, pin_memory=pin)
     val_loader = DataLoader(val_set, batch_size=batch_size, shuffle=False, pin_memory=pin)
     return train_loader, val_loader
+
+
+def next_char_loss(model, inputs, targets, bf16: bool, reduction: str = "mean"):
+    """Logits for every position, and the cross-entropy of predicting each next character."""
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits, _ = model(inputs)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+    return logits, loss
 
 
 def train_one_epoch(model, loader, optimizer, device, bf16: bool = False) -> float:
     """One pass over ``loader``; returns the mean training loss per sample."""
     model.train()
-    # Summed on the device: a .item() per step would make the CPU wait for the GPU every step.
-    loss_sum = torch.zeros((), device=device)
-    seen = 0
+    # Summed where the loss is (a tensor from the first step on): a .item() per step would
+    # make the CPU wait for the GPU every step.
+    loss_sum, seen = 0.0, 0
     for inputs, targets in loader:
         # non_blocking: with pinned memory the copy overlaps with work already queued on the GPU.
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = F.cross_entropy(model(inputs), targets)
+        _, loss = next_char_loss(model, inputs, targets, bf16)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -112,59 +91,65 @@ def train_one_epoch(model, loader, optimizer, device, bf16: bool = False) -> flo
 
 
 def evaluate(model, loader, device, bf16: bool = False) -> tuple[float, float]:
-    """Exact mean loss per sample and accuracy over ``loader``, however its batches fall."""
+    """Exact mean loss per character and next-character accuracy, however the batches fall."""
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.long)
-    seen = 0
+    loss_sum, correct, seen = 0.0, 0, 0  # tensors on the device after the first batch
     with torch.no_grad():
         for inputs, targets in loader:
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(inputs)
             # A sum, not a mean: the short last batch must weigh by its size, not as a full one.
-            loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum")
-            correct += (logits.argmax(dim=1) == targets).sum()
-            seen += targets.shape[0]
+            logits, loss = next_char_loss(model, inputs, targets, bf16, reduction="sum")
+            loss_sum += loss
+            correct += (logits.argmax(dim=-1) == targets).sum()
+            seen += targets.numel()
     model.train(was_training)
     return (loss_sum / seen).item(), (correct / seen).item()
 
 
-def parameter_digest(model: nn.Module) -> str:
-    """sha256 of every parameter and buffer's name, dtype, shape and exact bytes."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        digest.update(bytes(t.reshape(-1).view(torch.uint8).tolist()))
-    return digest.hexdigest()
+def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
+    """``length`` characters generated after a newline, always from the same random draws."""
+    start = torch.tensor([dataset.encode("\n")], device=device)
+    ids = model.generate(start, length, generator=torch.Generator().manual_seed(0))
+    return dataset.decode(ids[0, 1:])
 
 
-def fit(device: torch.device, epochs: int = 5, batch_size: int = 64, lr: float = 1e-3,
-        seed: int = 0, bf16: bool = False, compile: bool = False, log=print):
+def save_checkpoint(model, path: Path) -> None:
+    """Write to a temporary name, then rename: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(model.state_dict(), partial)
+    os.replace(partial, path)
+
+
+def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
+        lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
+        compile: bool = False, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
-    seed_everything(seed)
-    train_set, val_set = make_dataset()
+    dataset = CharDataset(SIZES[size]["block_size"])
+    train_set, val_set = train_val_split(dataset)
+    if train_windows:  # a quick run: the first windows only
+        train_set = Subset(train_set, range(min(train_windows, len(train_set))))
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
 
-    # Built on the CPU from the seeded generator, then moved: the same start on every device.
-    model = build_model().to(device)
+    # Built on the CPU from its own seeded generator, then moved: the same start on any device.
+    model = GPT(GPTConfig.named(size, vocab_size=dataset.vocab_size), seed=seed).to(device)
     # Created after the move, so the optimizer's state is allocated on the device as well.
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     # The compiled module shares its parameters with `model`; we keep `model` for saving.
     step_model = torch.compile(model) if compile else model
 
-    n_params = sum(p.numel() for p in model.parameters())
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"{torch.get_num_threads()} threads")
+             else f"{torch.get_num_threads()} thread(s)")
     log(f"device {device} ({where}), torch {torch.__version__}, {len(train_set)} train / "
-        f"{len(val_set)} val samples, {n_params:,} parameters, seed {seed}")
-
-    result = {"device": str(device), "seed": seed, "epochs": epochs, "batch_size": batch_size,
-              "lr": lr, "bf16": bf16, "compile": compile, "torch": torch.__version__,
+        f"{len(val_set)} val windows of {dataset.block_size} characters, "
+        f"{model.num_parameters():,} parameters, seed {seed}")
+    result = {"device": str(device), "size": size, "seed": seed, "epochs": epochs,
+              "batch_size": batch_size, "lr": lr, "bf16": bf16, "compile": compile,
+              "torch": torch.__version__, "sample_before": sample(model, dataset, device),
               "train_loss": [], "val_loss": [], "val_accuracy": [], "epoch_seconds": []}
+    log(f"sample before training: {result['sample_before']!r}")
     for epoch in range(1, epochs + 1):
         sync(device)  # start the clock with nothing still queued from before
         start = time.perf_counter()
@@ -181,9 +166,9 @@ def fit(device: torch.device, epochs: int = 5, batch_size: int = 64, lr: float =
     # The first epoch pays one-off costs (CUDA start-up, kernel selection, compilation).
     steady = result["epoch_seconds"][1:] or result["epoch_seconds"]
     result["samples_per_s"] = len(train_set) * len(steady) / sum(steady)
-    result["final_val_loss"] = result["val_loss"][-1]
-    result["final_val_accuracy"] = result["val_accuracy"][-1]
+    result["sample_after"] = sample(model, dataset, device)
     result["params_sha256"] = parameter_digest(model)
+    log(f"sample after training:  {result['sample_after']!r}")
     log(f"throughput {result['samples_per_s']:,.0f} samples/s"
         f"{' (first epoch excluded as warm-up)' if epochs > 1 else ''}; "
         f"parameters sha256 {result['params_sha256'][:16]}...")
@@ -205,15 +190,23 @@ def positive_float(text: str) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Train a small MLP classifier on one device.")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="auto (default): cuda if available, else cpu")
-    parser.add_argument("--epochs", type=positive_int, default=5)
-    parser.add_argument("--batch-size", type=positive_int, default=64)
-    parser.add_argument("--lr", type=positive_float, default=1e-3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto",
+                        help="auto (default): cuda if available, else cpu; or cpu, cuda, cuda:N")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "gpu"],
+                        help="tiny (default): 56k parameters; gpu: 14M, worth a GPU")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-windows", type=positive_int, default=None,
+                        help="train on the first N windows only (quick runs; default: all)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="CPU threads (default 1: the tiny model's matrices are too small "
+                             "to share out)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--checkpoint", type=Path, help="save the trained weights here")
     parser.add_argument("--result", type=Path, help="write the result as JSON to this path")
     return parser.parse_args(argv)
 
@@ -222,13 +215,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         device = choose_device(args.device)
-        if args.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ValueError("--bf16: this GPU has no bfloat16 support; run without --bf16")
     except ValueError as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
+        print(f"{Path(__file__).name}: error: {err}", file=sys.stderr)
         return 2
-    _, result = fit(device, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                    seed=args.seed, bf16=args.bf16, compile=args.compile)
+    torch.set_num_threads(args.threads)
+    model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
+                        lr=args.lr, seed=args.seed, train_windows=args.train_windows,
+                        bf16=args.bf16, compile=args.compile)
+    if args.checkpoint is not None:
+        save_checkpoint(model, args.checkpoint)
+        print(f"checkpoint saved to {args.checkpoint}")
     if args.result is not None:
         args.result.parent.mkdir(parents=True, exist_ok=True)
         args.result.write_text(json.dumps(result, indent=2) + "\n")

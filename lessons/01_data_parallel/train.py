@@ -1,20 +1,18 @@
-"""Train the same model with and without nn.DataParallel, and time both.
+"""Lesson 00's train.py with nn.DataParallel: one process drives every GPU of the machine.
 
-    python lessons/01_data_parallel/train.py                     # every GPU, or [0, 0] on one
-    python lessons/01_data_parallel/train.py --device-ids 0,1 --hidden 4096 --batch-size 8192
-    python lessons/01_data_parallel/train.py --steps 5 --result runs/dp.json
+    python lessons/01_data_parallel/train.py                   # every GPU (on one: [0, 0])
+    python lessons/01_data_parallel/train.py --size gpu --device-ids 0,1 --batch-size 256
 
-Both runs start from the same weights and see the same batches, so they should end with the
-same parameters (up to float rounding), and the script says how far apart they are. The batch
-size is the *global* batch: DataParallel splits it across the devices. On a machine without a
-CUDA GPU, DataParallel is a pass-through, so only the one-device run is timed.
+Every step, DataParallel copies the model to each GPU, cuts the batch into one chunk per GPU,
+runs the chunks in threads and adds the gradients up on the first GPU. --batch-size is the
+global batch. Without a CUDA GPU DataParallel calls the model directly: the run is lesson 00's.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,127 +20,232 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, Subset
 
-IN_FEATURES, N_CLASSES = 32, 4
-WARMUP_STEPS = 3  # not timed: CUDA start-up, kernel selection, the allocator's first requests
-
-
-def make_batches(steps: int, batch_size: int, seed: int = 1234):
-    """``steps`` batches of (features, labels), labelled by a fixed random "teacher" network."""
-    g = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(IN_FEATURES, N_CLASSES, generator=g)
-    batches = []
-    for _ in range(steps):
-        x = torch.randn(batch_size, IN_FEATURES, generator=g)
-        batches.append((x, (x @ teacher).argmax(dim=1)))
-    return batches
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
+from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, train_val_split  # noqa: E402
 
 
-def build_model(hidden: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(IN_FEATURES, hidden), nn.GELU(),
-        nn.Linear(hidden, hidden), nn.GELU(),
-        nn.Linear(hidden, N_CLASSES),
-    )
+def choose_device(requested: str = "auto") -> torch.device:
+    """The one place the device is decided; everything after this only uses the answer."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"device {requested!r} is unknown; try cpu, cuda or cuda:1") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {requested!r}: this script runs on cpu or cuda")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and gpus == 0:
+        why = ("this torch build has no CUDA support" if torch.version.cuda is None
+               else "no CUDA GPU is visible to this process")
+        raise ValueError(f"device {requested!r}: {why} (torch {torch.__version__}); "
+                         "use cpu or auto")
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise ValueError(f"device {requested!r}: this machine has {gpus} GPU(s), "
+                         f"cuda:0 to cuda:{gpus - 1}")
+    return device
 
 
 def sync(device: torch.device) -> None:
-    """CUDA kernels run asynchronously: wait for them before reading the clock."""
+    """Wait for the device's queued work: CUDA kernels run asynchronously to Python."""
     if device.type == "cuda":
-        for index in range(torch.cuda.device_count()):  # DataParallel's replicas use them all
-            torch.cuda.synchronize(index)
+        torch.cuda.synchronize(device)
 
 
-def train(step_model: nn.Module, params: nn.Module, batches, device: torch.device, lr: float):
-    """Plain SGD over ``batches``. ``step_model`` is what is called (the model itself, or its
-    DataParallel wrapper); ``params`` owns the parameters. Returns (samples/s, last loss)."""
-    optimizer = torch.optim.SGD(params.parameters(), lr=lr, momentum=0.9)
-    batches = [(x.to(device), y.to(device)) for x, y in batches]  # the data is not what we time
-    timed_samples, start = 0, None
-    for step, (x, y) in enumerate(batches):
-        if step == WARMUP_STEPS:
-            sync(device)
-            start = time.perf_counter()
-        # DataParallel: x is scattered from here, and the gathered output lands on output_device.
-        out = step_model(x)
-        loss = F.cross_entropy(out, y.to(out.device))
+def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.device):
+    # Pinned (page-locked) host memory is what lets a host-to-GPU copy run asynchronously.
+    pin = device.type == "cuda"
+    # The shuffle has its own generator: the batch order depends on --seed and nothing else.
+    order = torch.Generator().manual_seed(seed)
+    train_loader = DataLoader(train_set, batch_size, shuffle=True, generator=order, pin_memory=pin)
+    val_loader = DataLoader(val_set, batch_size=batch_size, shuffle=False, pin_memory=pin)
+    return train_loader, val_loader
+
+
+def next_char_loss(model, inputs, targets, bf16: bool, reduction: str = "mean"):
+    """Logits for every position, and the cross-entropy of predicting each next character."""
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits, _ = model(inputs)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+    return logits, loss
+
+
+def train_one_epoch(model, loader, optimizer, device, bf16: bool = False) -> float:
+    """One pass over ``loader``; returns the mean training loss per sample."""
+    model.train()
+    # Summed where the loss is (a tensor from the first step on): a .item() per step would
+    # make the CPU wait for the GPU every step.
+    loss_sum, seen = 0.0, 0
+    for inputs, targets in loader:
+        # non_blocking: with pinned memory the copy overlaps with work already queued on the GPU.
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        _, loss = next_char_loss(model, inputs, targets, bf16)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if start is not None:
-            timed_samples += x.shape[0]
-    sync(device)
-    seconds = time.perf_counter() - start
-    return timed_samples / seconds, loss.item()
+        loss_sum += loss.detach() * targets.shape[0]
+        seen += targets.shape[0]
+    return (loss_sum / seen).item()
 
 
-def max_difference(a: nn.Module, b: nn.Module) -> float:
-    return max((p.detach().cpu() - q.detach().cpu()).abs().max().item()
-               for p, q in zip(a.parameters(), b.parameters(), strict=True))
+def evaluate(model, loader, device, bf16: bool = False) -> tuple[float, float]:
+    """Exact mean loss per character and next-character accuracy, however the batches fall."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, seen = 0.0, 0, 0  # tensors on the device after the first batch
+    with torch.no_grad():
+        for inputs, targets in loader:
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            # A sum, not a mean: the short last batch must weigh by its size, not as a full one.
+            logits, loss = next_char_loss(model, inputs, targets, bf16, reduction="sum")
+            loss_sum += loss
+            correct += (logits.argmax(dim=-1) == targets).sum()
+            seen += targets.numel()
+    model.train(was_training)
+    return (loss_sum / seen).item(), (correct / seen).item()
+
+
+def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
+    """``length`` characters generated after a newline, always from the same random draws."""
+    start = torch.tensor([dataset.encode("\n")], device=device)
+    ids = model.generate(start, length, generator=torch.Generator().manual_seed(0))
+    return dataset.decode(ids[0, 1:])
+
+
+def save_checkpoint(model, path: Path) -> None:
+    """Write to a temporary name, then rename: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(model.state_dict(), partial)
+    os.replace(partial, path)
+
+
+def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
+        lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
+        device_ids=None, log=print):
+    """Train from scratch on ``device``; returns (model, result dict)."""
+    dataset = CharDataset(SIZES[size]["block_size"])
+    train_set, val_set = train_val_split(dataset)
+    if train_windows:  # a quick run: the first windows only
+        train_set = Subset(train_set, range(min(train_windows, len(train_set))))
+    train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
+
+    # Built on the CPU from its own seeded generator, then moved: the same start on any device.
+    model = GPT(GPTConfig.named(size, vocab_size=dataset.vocab_size), seed=seed).to(device)
+    # Created after the move, so the optimizer's state is allocated on the device as well.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # The model must sit on device_ids[0]: DataParallel replicates it from there at every step.
+    # (No --compile in this step: the replicas are new modules each step.)
+    step_model = nn.DataParallel(model, device_ids=device_ids)
+
+    where = (f"DataParallel over GPUs {step_model.device_ids}" if device.type == "cuda"
+             else "no CUDA GPU, so nn.DataParallel is a pass-through")
+    log(f"device {device} ({where}), torch {torch.__version__}, {len(train_set)} train / "
+        f"{len(val_set)} val windows of {dataset.block_size} characters, "
+        f"{model.num_parameters():,} parameters, seed {seed}")
+    result = {"device": str(device), "size": size, "seed": seed, "epochs": epochs,
+              "batch_size": batch_size, "lr": lr, "bf16": bf16,
+              "device_ids": step_model.device_ids,
+              "torch": torch.__version__, "sample_before": sample(model, dataset, device),
+              "train_loss": [], "val_loss": [], "val_accuracy": [], "epoch_seconds": []}
+    log(f"sample before training: {result['sample_before']!r}")
+    for epoch in range(1, epochs + 1):
+        sync(device)  # start the clock with nothing still queued from before
+        start = time.perf_counter()
+        train_loss = train_one_epoch(step_model, train_loader, optimizer, device, bf16)
+        sync(device)  # stop it only when the GPU has really finished the epoch
+        seconds = time.perf_counter() - start
+        val_loss, val_accuracy = evaluate(step_model, val_loader, device, bf16)
+        for key, value in (("train_loss", train_loss), ("val_loss", val_loss),
+                           ("val_accuracy", val_accuracy), ("epoch_seconds", seconds)):
+            result[key].append(value)
+        log(f"epoch {epoch}/{epochs}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
+            f"val acc {val_accuracy:6.1%}  {len(train_set) / seconds:9,.0f} samples/s")
+
+    # The first epoch pays one-off costs (CUDA start-up, kernel selection, compilation).
+    steady = result["epoch_seconds"][1:] or result["epoch_seconds"]
+    result["samples_per_s"] = len(train_set) * len(steady) / sum(steady)
+    result["sample_after"] = sample(model, dataset, device)
+    result["params_sha256"] = parameter_digest(model)
+    log(f"sample after training:  {result['sample_after']!r}")
+    log(f"throughput {result['samples_per_s']:,.0f} samples/s"
+        f"{' (first epoch excluded as warm-up)' if epochs > 1 else ''}; "
+        f"parameters sha256 {result['params_sha256'][:16]}...")
+    return model, result
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def parse_device_ids(text: str) -> list[int]:
     try:
-        ids = [int(part) for part in text.split(",")]
+        return [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected GPU indices like 0,1 or 0,0; got {text}") from None
-    return ids
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1; got {text}") from None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto",
+                        help="auto (default): cuda if available, else cpu; or cpu, cuda, cuda:N")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "gpu"],
+                        help="tiny (default): 56k parameters; gpu: 14M, worth a GPU")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-windows", type=positive_int, default=None,
+                        help="train on the first N windows only (quick runs; default: all)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="CPU threads (default 1: the tiny model's matrices are too small "
+                             "to share out)")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    parser.add_argument("--device-ids", type=parse_device_ids, default=None,
+                        help="GPUs to use, e.g. 0,1 (default: every GPU; on one GPU: 0,0)")
+    parser.add_argument("--checkpoint", type=Path, help="save the trained weights here")
+    parser.add_argument("--result", type=Path, help="write the result as JSON to this path")
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help=f"timed steps (+{WARMUP_STEPS})")
-    parser.add_argument("--batch-size", type=int, default=1024, help="the global batch")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--device-ids", type=parse_device_ids, default=None,
-                        help="GPUs for DataParallel, e.g. 0,1 (default: every GPU; 0,0 on one)")
-    parser.add_argument("--result", type=Path, help="write the numbers as JSON to this path")
-    args = parser.parse_args(argv)
-    if min(args.steps, args.batch_size, args.hidden) < 1:
-        parser.error("--steps, --batch-size and --hidden must be at least 1")
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = torch.device("cuda:0" if gpus else "cpu")
-    torch.manual_seed(0)
-    model = build_model(args.hidden)  # built once on the CPU: both runs start from these weights
-    batches = make_batches(args.steps + WARMUP_STEPS, args.batch_size)
-    print(f"torch {torch.__version__}, {gpus} CUDA GPU(s); {args.steps} timed steps of a global "
-          f"batch of {args.batch_size}, hidden {args.hidden}")
-    result = {"torch": torch.__version__, "gpus": gpus, "steps": args.steps,
-              "batch_size": args.batch_size, "hidden": args.hidden}
-
-    single = copy.deepcopy(model).to(device)
-    rate, loss = train(single, single, batches, device, args.lr)
-    label = f"one device ({device}):"
-    print(f"{label:<32} {rate:>12,.0f} samples/s   last loss {loss:.4f}")
-    result["one_device"] = {"device": str(device), "samples_per_s": rate, "loss": loss}
-
-    if gpus == 0:
-        print("no CUDA GPU: nn.DataParallel is a pass-through here (it calls the model directly, "
-              "on the CPU), so there is nothing to compare; run this on a GPU machine.")
-    else:
+    args = parse_args(argv)
+    try:
+        device = choose_device(args.device)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus and device.type != "cuda":  # DataParallel takes every GPU unless told which
+            raise ValueError("with GPUs here, nn.DataParallel runs on them: drop --device cpu, "
+                             "or run lessons/00_single_gpu/train.py --device cpu")
+        # On one GPU, [0, 0]: two replicas on the same GPU, to see the mechanics.
         device_ids = args.device_ids or (list(range(gpus)) if gpus > 1 else [0, 0])
-        first = torch.device("cuda", device_ids[0])
-        dp_model = copy.deepcopy(model).to(first)  # DataParallel wants it on device_ids[0]
-        wrapped = nn.DataParallel(dp_model, device_ids=device_ids)
-        for index in sorted(set(device_ids)):
-            torch.cuda.reset_peak_memory_stats(index)
-        dp_rate, dp_loss = train(wrapped, dp_model, batches, first, args.lr)
-        peaks = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) / 2**20
-                 for i in sorted(set(device_ids))}
-        label = f"DataParallel {device_ids}:"
-        print(f"{label:<32} {dp_rate:>12,.0f} samples/s   last loss {dp_loss:.4f}   "
-              f"({dp_rate / rate:.2f}x one device)")
-        print("peak memory during the DataParallel run: "
-              + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in peaks.items()))
-        difference = max_difference(single, dp_model)
-        print(f"largest parameter difference between the two runs: {difference:.2e}")
-        result["data_parallel"] = {"device_ids": device_ids, "samples_per_s": dp_rate,
-                                   "loss": dp_loss, "peak_mib": peaks,
-                                   "max_parameter_difference": difference}
-
+        if gpus and not all(0 <= i < gpus for i in device_ids):
+            raise ValueError(f"--device-ids {device_ids}: this machine has GPUs 0 to {gpus - 1}")
+        if device.type == "cuda":
+            device = torch.device("cuda", device_ids[0])
+    except ValueError as err:
+        print(f"{Path(__file__).name}: error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
+                        lr=args.lr, seed=args.seed, train_windows=args.train_windows,
+                        bf16=args.bf16, device_ids=device_ids if device.type == "cuda" else None)
+    if args.checkpoint is not None:
+        save_checkpoint(model, args.checkpoint)
+        print(f"checkpoint saved to {args.checkpoint}")
     if args.result is not None:
         args.result.parent.mkdir(parents=True, exist_ok=True)
         args.result.write_text(json.dumps(result, indent=2) + "\n")

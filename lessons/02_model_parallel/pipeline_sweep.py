@@ -8,10 +8,11 @@ The model is cut into one stage per device (by default ``cuda:0`` and ``cuda:1``
 and the CPU, else the CPU twice). Each training step splits the batch into ``m`` micro-batches
 and runs GPipe's schedule: at clock ``t`` stage ``s`` runs the forward of micro-batch ``t - s``;
 when every forward is done, one backward runs through all of them, and the optimizer steps.
-``m = 1`` is the naive split of ``split_model.py``. For each ``m`` the script prints the step
-time, the bubble fraction ``(p - 1) / (m + p - 1)`` of ``p`` stages, the speed-up that bubble
-allows over ``m = 1`` if the stages really overlap, and how far the gradients are from ``m = 1``'s
-(they should agree to float rounding: the micro-batch losses are weighted by their sizes).
+``m = 1`` is the naive split (``train.py`` without ``--micro-batches``). For each ``m`` the
+script prints the step time, the bubble fraction ``(p - 1) / (m + p - 1)`` of ``p`` stages, the
+speed-up that bubble allows over ``m = 1`` if the stages really overlap, and how far the
+gradients are from ``m = 1``'s (they should agree to float rounding: the micro-batch losses are
+weighted by their sizes).
 """
 
 from __future__ import annotations
@@ -35,11 +36,8 @@ WARMUP_STEPS = 1  # per m, not timed: the first step at a new size allocates and
 def pick_device_pair() -> tuple[torch.device, torch.device]:
     """Two GPUs if there are two, else one GPU and the CPU, else the CPU twice."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus >= 2:
-        return torch.device("cuda:0"), torch.device("cuda:1")
-    if gpus == 1:
-        return torch.device("cuda:0"), torch.device("cpu")
-    return torch.device("cpu"), torch.device("cpu")
+    pair = ("cuda:0", "cuda:1") if gpus >= 2 else ("cuda:0", "cpu") if gpus == 1 else ("cpu", "cpu")
+    return torch.device(pair[0]), torch.device(pair[1])
 
 
 def build_stages(width: int, depth: int, devices: Sequence[torch.device]) -> list[nn.Sequential]:
@@ -97,7 +95,8 @@ def ideal_speedup(num_stages: int, num_micro_batches: int) -> float:
 
 
 def sync(devices) -> None:
-    for device in set(devices):
+    """Wait for both devices' queued work: CUDA kernels run asynchronously to Python."""
+    for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

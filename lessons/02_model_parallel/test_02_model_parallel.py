@@ -19,7 +19,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, train_val_split
 from torch import nn
+from torch.utils.data import Subset
 
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import (
@@ -59,8 +61,8 @@ def ex():
 
 
 @pytest.fixture(scope="module")
-def split_model():
-    return load_lesson_module(LESSON, "split_model")
+def train():
+    return load_lesson_module(LESSON, "train")
 
 
 @pytest.fixture(scope="module")
@@ -586,45 +588,165 @@ def test_readme_bubble_table_matches_the_formula():
             assert cell.strip() == f"{expected:.0%}", f"p={p}, m={m}: {cell} vs {expected:.0%}"
 
 
+# train.py: lesson 00's GPT training with the blocks split across two devices
+
+
+@pytest.fixture(scope="module")
+def gpt_data():
+    """The running example's windows, cut down: 40 to train on (a few steps), 24 to evaluate."""
+    dataset = CharDataset(SIZES["tiny"]["block_size"])
+    train_set, val_set = train_val_split(dataset)
+    return dataset, Subset(train_set, range(40)), Subset(val_set, range(24))
+
+
+@pytest.fixture
+def one_thread():
+    """One CPU thread, as the script runs: the tiny model's matrices are too small to share."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_gpt(vocab_size: int, **overrides) -> GPT:
+    """The script's model, built on the CPU from seed 0: the same weights every time."""
+    return GPT(GPTConfig.named("tiny", vocab_size=vocab_size, **overrides), seed=0)
+
+
+class Crossed(Exception):
+    """Raised to end a forward once the activations have crossed to the second device."""
+
+
+def stop():
+    raise Crossed
+
+
+@pytest.mark.parametrize("n_layer", [2, 4, 6])
+def test_train_py_split_across_puts_each_half_on_its_device(train, gpt_data, n_layer):
+    dataset = gpt_data[0]
+    model = make_gpt(dataset.vocab_size, n_layer=n_layer)
+    assert train.split_across(model, (torch.device("cpu"), META)) is model, (
+        "split_across should move the model's parts in place and return the model")
+    half = n_layer // 2
+    first = ("tok_emb.", "pos_emb.", *(f"blocks.{i}." for i in range(half)))
+    where = {name: p.device for name, p in model.named_parameters()}
+    for name, device in where.items():
+        expected = torch.device("cpu") if name.startswith(first) else META
+        assert device == expected, (
+            f"{n_layer} blocks split across cpu and meta: {name!r} is on {device}, expected "
+            f"{expected} (embeddings and blocks 0-{half - 1} first, the rest with ln_f and "
+            f"lm_head second)\n{where}")
+
+    # Where each block receives its input, up to the first block on meta: the meta device shows
+    # that the activations arrive there, and stopping then skips computing on meta (its
+    # LayerNorm alone takes seconds to set up).
+    received = []
+    for k, block in enumerate(model.blocks[:half + 1]):  # after split_across's own hook
+        block.register_forward_pre_hook(
+            lambda _module, args, k=k: received.append((k, args[0].device, args[0].requires_grad)))
+    model.blocks[half].register_forward_pre_hook(lambda _module, _args: stop())
+    idx = torch.zeros(2, 8, dtype=torch.long)  # token ids on the CPU, as a batch arrives
+    with pytest.raises(Crossed):
+        model(idx)
+    expected = [(k, torch.device("cpu"), True) for k in range(half)] + [(half, META, True)]
+    assert received == expected, (
+        f"(block, device of its input, requires_grad) in one forward: {received}, expected "
+        f"{expected}. Before block {half}, move the activations to the second device with "
+        "x.to(device), which autograd records (never .detach() them)")
+
+
+def reference_epoch(model, batches, optimizer) -> float:
+    """Lesson 00's training step, written out: the whole model and every batch on the CPU."""
+    loss_sum, seen = 0.0, 0
+    for inputs, targets in batches:
+        logits, _ = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_sum, seen = loss_sum + loss.item() * len(inputs), seen + len(inputs)
+    return loss_sum / seen
+
+
+# (micro-batches, batch size): 40 windows are batches of 16, 16, 8 or four of 10. torch.chunk
+# cuts 10 into 4, 4, 2 (M = 3) and 3, 3, 3, 1 (M = 4): pieces of unequal size.
+MICRO_BATCH_CASES = [pytest.param(1, 16, id="m1-batch16"), pytest.param(2, 16, id="m2-batch16"),
+                     pytest.param(3, 10, id="m3-batch10"), pytest.param(4, 10, id="m4-batch10")]
+
+
 @pytest.mark.parametrize("devices", DEVICE_PAIRS)
-def test_the_scripts_split_model_equals_one_device(split_model, devices, no_tf32):
-    torch.manual_seed(0)
-    layers = split_model.build_mlp(32, 4)
-    reference = copy.deepcopy(layers)
-    model = split_model.TwoDeviceModel(layers, tuple(torch.device(d) for d in devices))
-    for name, param in model.named_parameters():
-        expected = devices[0] if name.startswith("stage0.") else devices[1]
-        assert param.device == torch.device(expected), f"{name} is on {param.device}"
-    inputs, targets = split_model.make_batch(8, 32)
-    outputs = model(inputs)
-    F.mse_loss(outputs, targets.to(outputs.device)).backward()
-    reference_outputs = reference(inputs)
-    F.mse_loss(reference_outputs, targets).backward()
-    assert_close(outputs, reference_outputs, f"split_model.py {devices}: outputs")
-    # The halves keep the original layers' indices, so names differ only by the stage prefix.
-    got = {name.split(".", 1)[1]: p for name, p in model.named_parameters()}
-    assert_parameters_close(got, dict(reference.named_parameters()),
-                            f"split_model.py {devices}", grads=True)
+@pytest.mark.parametrize(("micro_batches", "batch_size"), MICRO_BATCH_CASES)
+def test_train_py_split_training_equals_one_device(train, gpt_data, devices, micro_batches,
+                                                   batch_size, no_tf32, one_thread):
+    dataset, train_set, val_set = gpt_data
+    devices = tuple(map(torch.device, devices))
+    model = train.split_across(make_gpt(dataset.vocab_size), devices)
+    reference = make_gpt(dataset.vocab_size)  # one device: the CPU
+    # SGD with momentum: the update is linear in the gradient, so any wrong weighting shows.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    loader, _ = train.make_loaders(train_set, val_set, batch_size, seed=0, device=devices[0])
+    what = (f"{devices[0]} -> {devices[1]}, {micro_batches} micro-batch(es) of batches of "
+            f"{batch_size}")
+    hint = ("" if micro_batches == 1 else "\nEach piece's mean loss must weigh len(x) / "
+            "len(inputs): 1 / M is right only when M divides the batch")
+    for epoch in (1, 2):
+        batches = list(loader)  # the same shuffled order for both
+        got = train.train_one_epoch(model, batches, optimizer, devices[0],
+                                    micro_batches=micro_batches)
+        expected = reference_epoch(reference, batches, reference_optimizer)
+        try:
+            assert_parameters_close(model, reference, f"after epoch {epoch} ({len(batches)} "
+                                    f"SGD steps): {what}: parameter")
+            assert_close(got, expected, f"epoch {epoch}: {what}: mean training loss",
+                         rtol=1e-5, atol=1e-6)
+        except AssertionError as err:
+            raise AssertionError(f"{err}{hint}") from None
+    if micro_batches == 1 and devices[0] == devices[1] == torch.device("cpu"):
+        # The same operations in the same order: not close, identical, as lesson 00's run.
+        assert parameter_digest(model) == parameter_digest(reference), (
+            f"{what}: the parameters are close to one device's but not bit for bit the same")
 
 
-def test_the_scripts_split_model_puts_each_half_on_its_device(split_model):
-    model = split_model.TwoDeviceModel(split_model.build_mlp(8, 4), ("cpu", "meta"))
-    where = {name: str(p.device) for name, p in model.named_parameters()}
-    assert {d for n, d in where.items() if n.startswith("stage0.")} == {"cpu"}, where
-    assert {d for n, d in where.items() if n.startswith("stage1.")} == {"meta"}, where
-    halves = [sum(n.startswith(f"stage{k}.") for n in where) for k in (0, 1)]
-    assert halves == [4, 4], f"4 layers should split 2 and 2 (weight and bias each): {halves}"
+@pytest.mark.parametrize("devices", DEVICE_PAIRS)
+def test_train_py_evaluates_a_split_model_like_one_device(train, gpt_data, devices, no_tf32,
+                                                          one_thread):
+    dataset, train_set, val_set = gpt_data
+    devices = tuple(map(torch.device, devices))
+    model = train.split_across(make_gpt(dataset.vocab_size), devices)
+    reference = make_gpt(dataset.vocab_size)
+    _, val_loader = train.make_loaders(train_set, val_set, 10, seed=0, device=devices[0])
+    loss, accuracy = train.evaluate(model, val_loader, devices[0])  # batches of 10, 10, 4
+    inputs, targets = (torch.stack(t) for t in zip(*val_set, strict=True))
+    with torch.no_grad():
+        logits, expected_loss = reference(inputs, targets)
+    split = f"{devices[0]} -> {devices[1]}"
+    assert_close(loss, expected_loss.item(), f"{split}: validation loss", rtol=1e-5, atol=1e-6)
+    assert_close(accuracy, (logits.argmax(-1) == targets).float().mean().item(),
+                 f"{split}: validation accuracy", rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(("gpus", "expected"), [(0, ["cpu", "cpu"]), (1, ["cuda:0", "cpu"]),
                                                 (2, ["cuda:0", "cuda:1"]),
                                                 (4, ["cuda:0", "cuda:1"])])
-def test_the_scripts_pick_the_best_device_pair(split_model, sweep, monkeypatch, gpus, expected):
+def test_the_scripts_pick_the_best_device_pair(train, sweep, monkeypatch, gpus, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    for script in (split_model, sweep):
+    for script in (train, sweep):
         pair = script.pick_device_pair()
+        assert isinstance(pair, tuple) and all(isinstance(d, torch.device) for d in pair), (
+            f"{script.__name__}.pick_device_pair() returned {pair!r}, expected a tuple of two "
+            "torch.device")
         assert pair == tuple(torch.device(d) for d in expected), (script.__name__, pair)
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu,cpu,cpu"])
+def test_train_py_refuses_anything_but_two_devices_in_one_line(train, capsys, devices):
+    code = train.main(["--devices", devices])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, f"--devices {devices}: exit code {code}, expected 2 (bad usage)"
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, f"expected one line:\n{err}"
+    assert "expected two" in err and "cuda:0,cuda:1" in err, err
 
 
 def test_the_sweeps_gpipe_step_trains_like_the_full_batch(sweep):
@@ -686,7 +808,7 @@ def test_batchnorm_breaks_the_micro_batch_equivalence(sweep):
 # Both scripts are started together, once, when the first of their tests asks: each spends
 # most of its time importing torch, and two cores do that for both at once.
 SCRIPT_RUNS = {
-    "split_model.py": ["--width", "32", "--depth", "4", "--batch-size", "16", "--steps", "3"],
+    "train.py": ["--epochs", "1", "--micro-batches", "2"],
     "pipeline_sweep.py": ["--width", "16", "--depth", "4", "--batch-size", "30",
                           "--micro-batches", "1,2,4,64", "--steps", "2"],
 }
@@ -722,18 +844,22 @@ def expected_pair() -> list[str]:
 
 
 @pytest.mark.slow
-def test_split_model_prints_placement_and_step_time(script_runs):
-    out, data = script_output(script_runs, "split_model.py")
+def test_train_py_trains_the_split_gpt_and_prints_where_it_is(script_runs):
+    out, data = script_output(script_runs, "train.py")
     first, second = expected_pair()
-    assert f"stages on {first} -> {second}" in out, out
-    assert "where each parameter lives" in out, out
-    assert re.search(rf"stage0\.0\.weight +\(32, 32\) +on {first}", out), out
-    assert re.search(rf"stage1\.\d+\.weight +\(32, 32\) +on {second}", out), out
-    assert "step 3/3" in out and re.search(r"step time [\d.]+ ms \(median of 2", out), out
-    assert data["devices"] == [first, second]
-    assert {d for n, d in data["parameter_devices"].items() if n.startswith("stage0.")} == {first}
-    assert {d for n, d in data["parameter_devices"].items() if n.startswith("stage1.")} == {second}
-    assert data["losses"][-1] < data["losses"][0], data["losses"]
+    assert re.search(rf"^device {first} \(blocks 0-1; the rest on {second}, 2 micro-batch\(es\)\)",
+                     out, flags=re.MULTILINE), out
+    assert "epoch 1/1" in out and "parameters sha256" in out, out
+    assert data["devices"] == [first, second], data["devices"]
+    assert data["micro_batches"] == 2
+    # From the untrained model's loss, about ln(vocab size), down over the epoch and below it.
+    start = math.log(CharDataset(SIZES["tiny"]["block_size"]).vocab_size)
+    [train_loss], [val_loss] = data["train_loss"], data["val_loss"]
+    assert val_loss < train_loss < start - 0.5, (
+        f"untrained ~{start:.3f} (ln of the vocabulary), mean training loss {train_loss:.4f}, "
+        f"validation loss after the epoch {val_loss:.4f}: expected each below the one before")
+    assert re.fullmatch(r"[0-9a-f]{64}", data["params_sha256"]), data["params_sha256"]
+    assert data["params_sha256"][:16] in out, "the printed digest is the one in the result"
 
 
 @pytest.mark.slow

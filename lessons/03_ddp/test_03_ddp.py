@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import copy
 import datetime
-import os
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from gpt import GPT, SIZES, CharDataset, GPTConfig, load_text, parameter_digest, train_val_split
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from harness.compare import assert_close, assert_parameters_close
-from harness.exercises import load_exercise, load_lesson_module
+from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
 from harness.launch import run_script, start_script
 from harness.ranks import group_params, run_on_ranks
@@ -200,7 +201,8 @@ CHECK_INIT = "lessons/harness/check_init_from_env.py"  # runs init_from_env unde
 
 @pytest.fixture(scope="module")
 def init_checks():
-    """Both launches of the init check, started together."""
+    """Both launches of the init check, started together (not at all for the untouched stub)."""
+    raise_if_untouched(load_exercise(LESSON).init_from_env)
     return {"torchrun": start_script(CHECK_INIT, launcher="torchrun", nproc=2),
             "bad environments": start_script(CHECK_INIT, "--bad-environments", timeout=60)}
 
@@ -651,115 +653,256 @@ def test_gradient_buckets_equal_ddp_and_overlap_backward(group):
 
 # ----------------------------------------------------------------------------- the script
 
+# The script is lesson 00's train.py plus DDP. Its runs are compared through what they write:
+# the --result JSON (rank 0's) and the --checkpoint file, a plain GPT state_dict.
 
-def load_trained(parameters: dict) -> dict[str, torch.Tensor]:
-    return {name: torch.tensor(values) for name, values in parameters.items()}
+# One epoch over the first 320 windows (of 1010): 20 steps of a global batch of 16, about 0.5 s
+# of training per run; the rest of each launch is starting processes and importing torch.
+TRAIN_ONE_EPOCH = ("--epochs", "1", "--train-windows", "320")
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT")
+# Two runs that take the same steps agree to fp32 rounding, which AdamW then amplifies where a
+# gradient is rounding noise: the key projections' biases get none at all in exact arithmetic
+# (a bias added to every key shifts a query's scores equally, and softmax ignores that: they
+# change no output), yet AdamW steps on the noise. Measured between 2 ranks x 8 and 1 process
+# x 16 after one epoch: up to 9e-5 on those biases, 3e-5 elsewhere. One process reading the
+# same windows in another order ends up to 0.1 and more away.
+SAME_STEPS = {"rtol": 1e-3, "atol": 2e-4}
+# CUDA kernels add in another order than the CPU's: the losses then agree to 1e-4, not 1e-6.
+CUDA_VS_CPU = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def trained(checkpoint) -> dict[str, torch.Tensor]:
+    """A checkpoint written by the script: a plain state_dict, loaded without unpickling code."""
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="module")
 def script_runs(tmp_path_factory):
     """The training script under every launcher, all started at once (most of each launch is
-    importing torch, which overlaps well), with the same global batch of 16."""
-    checkpoint = tmp_path_factory.mktemp("checkpoint") / "model.pt"
+    importing torch, which overlaps well), each with a global batch of 16 and its own
+    checkpoint folder. Yields (launches, checkpoint paths), both keyed by launcher.
+
+    The one-process run is the reference, on the CPU (gloo) on every machine: left to choose,
+    it would take a GPU wherever there is one, while 2 ranks with fewer than 2 GPUs take the
+    CPU. The 2-rank runs choose for themselves, as a learner's would."""
+    folder = tmp_path_factory.mktemp("checkpoints")
+    checkpoints = {name: folder / name / "model.pt"
+                   for name in ("python", "torchrun", "launch", "spawn")}
+
+    def save_to(name):
+        return ("--checkpoint", str(checkpoints[name]))
+
     runs = {
-        "python": start_script(SCRIPT, "--batch-size", "16"),
-        "torchrun": start_script(SCRIPT, "--batch-size", "8", "--checkpoint", str(checkpoint),
-                                 launcher="torchrun", nproc=2),
+        "python": start_script(SCRIPT, *TRAIN_ONE_EPOCH, "--batch-size", "16", "--backend",
+                               "gloo", *save_to("python")),
+        "torchrun": start_script(SCRIPT, *TRAIN_ONE_EPOCH, "--batch-size", "8",
+                                 *save_to("torchrun"), launcher="torchrun", nproc=2),
         # python -m torch.distributed.launch, which passes --local-rank=N
-        "launch": start_script(SCRIPT, "--batch-size", "8", launcher="launch", nproc=2),
+        "launch": start_script(SCRIPT, *TRAIN_ONE_EPOCH, "--batch-size", "8",
+                               *save_to("launch"), launcher="launch", nproc=2),
         "spawn": start_script(f"lessons/{LESSON}/train_spawn.py", "--nprocs", "2",
-                              "--batch-size", "8"),
+                              *TRAIN_ONE_EPOCH, "--batch-size", "8", *save_to("spawn")),
     }
-    yield runs, checkpoint
+    yield runs, checkpoints
     for run in runs.values():
         run.stop()
 
 
+def assert_same_training(run, single, what: str) -> None:
+    """``run`` took the steps of the one-process run ``single``: the same loss per epoch, on
+    the training windows (as reported) and on the validation windows (of the trained model)."""
+    __tracebackhide__ = True
+    tolerances = CUDA_VS_CPU if run.data["device"] != single.data["device"] else {}
+    try:
+        assert_close(torch.tensor(run.data["val_loss"]), torch.tensor(single.data["val_loss"]),
+                     f"{what}: val_loss per epoch", **tolerances)
+    except AssertionError as error:
+        raise with_diagnosis(
+            error, "the trained models differ, so the ranks did not take the one process's "
+            "steps: each rank must read its own share of every global batch (a "
+            "DistributedSampler, seeded alike on every rank) and train through the DDP "
+            "wrapper") from None
+    try:
+        assert_close(torch.tensor(run.data["train_loss"]),
+                     torch.tensor(single.data["train_loss"]), f"{what}: train_loss per epoch",
+                     **tolerances)
+    except AssertionError as error:
+        raise with_diagnosis(
+            error, "the models agree but the reported training loss does not: it must be the "
+            "mean over every rank's windows (all-reduce the loss sum and the sample count), "
+            "not rank 0's own") from None
+
+
 @pytest.mark.slow
 def test_script_under_torchrun_equals_single_process(script_runs):
-    runs, checkpoint = script_runs
+    runs, checkpoints = script_runs
     run, single = runs["torchrun"].result(), runs["python"].result()
-    assert run.data["world_size"] == 2 and run.data["global_batch"] == 16
+    assert (single.data["world_size"], single.data["batch_size"], single.data["device"]) == (
+        1, 16, "cpu"), single.data
+    assert (run.data["world_size"], run.data["batch_size"]) == (2, 8), (
+        "expected 2 ranks with 8 samples each (--batch-size is per process), got "
+        f"world_size {run.data['world_size']}, batch_size {run.data['batch_size']}")
     assert run.data["backend"] == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
-    assert_parameters_close(load_trained(run.data["parameters"]),
-                            load_trained(single.data["parameters"]),
-                            what="final parameter, 2 ranks x 8 vs 1 process x 16")
-    assert_close(torch.tensor(run.data["losses"]), torch.tensor(single.data["losses"]),
-                 "epoch losses")
-    # Progress is printed by rank 0 only.
-    assert any("epoch 0" in line for line in run.rank_lines(0))
-    assert not any("epoch" in line for line in run.rank_lines(1))
-    # Exactly one checkpoint, complete, loadable into a plain model without "module." prefixes.
-    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["model.pt"]
-    train = load_lesson_module(LESSON, "train_ddp")
-    model = train.build_model(0)
-    model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
-    assert_parameters_close(dict(model.state_dict()), load_trained(run.data["parameters"]),
-                            what="checkpointed parameter")
+    # The sharp check: the epoch's mean loss over all 1010 windows, to fp32 rounding (on the
+    # CPU; 2 ranks on 2 GPUs are compared with the CPU run to CUDA_VS_CPU).
+    assert_same_training(run, single, "2 ranks x 8 vs 1 process x 16")
+    assert_parameters_close(trained(checkpoints["torchrun"]), trained(checkpoints["python"]),
+                            what="trained parameter, 2 ranks x 8 vs 1 process x 16",
+                            **SAME_STEPS)
+
+
+@pytest.mark.slow
+def test_script_under_torchrun_prints_and_saves_on_rank_0_only(script_runs):
+    runs, checkpoints = script_runs
+    run = runs["torchrun"].result()
+    assert any("epoch 1/1" in line for line in run.rank_lines(0)), run.output
+    said = [line for line in run.rank_lines(1)
+            if any(word in line for word in ("epoch", "sample", "checkpoint", "result"))]
+    assert not said, f"rank 1 printed progress; only rank 0 should: {said}"
+    saved = [line for line in run.output.splitlines() if "checkpoint saved" in line]
+    assert len(saved) == 1 and saved[0].startswith("[default0]:"), (
+        f"the checkpoint should be saved once, by rank 0: {saved}")
+    # Exactly one file, complete (no .partial left), loadable into a plain GPT: no "module.".
+    folder = checkpoints["torchrun"].parent
+    assert sorted(p.name for p in folder.iterdir()) == ["model.pt"]
+    vocab_size = CharDataset(SIZES["tiny"]["block_size"]).vocab_size
+    model = GPT(GPTConfig.named("tiny", vocab_size=vocab_size))
+    model.load_state_dict(trained(checkpoints["torchrun"]))  # strict: every name must match
+    # The digest rank 0 reported is that of the weights in the file, to the bit.
+    assert parameter_digest(model) == run.data["params_sha256"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["launch", "spawn"])
 def test_older_launchers_train_the_same_model(script_runs, launcher):
-    runs, _ = script_runs
+    runs, checkpoints = script_runs
     run, single = runs[launcher].result(), runs["python"].result()
-    assert run.data["world_size"] == 2
-    assert_parameters_close(load_trained(run.data["parameters"]),
-                            load_trained(single.data["parameters"]),
-                            what=f"final parameter under {launcher}")
+    assert (run.data["world_size"], run.data["batch_size"]) == (2, 8), run.data
+    assert_same_training(run, single, f"{launcher}, 2 ranks x 8 vs 1 process x 16")
+    assert_parameters_close(trained(checkpoints[launcher]), trained(checkpoints["python"]),
+                            what=f"trained parameter under {launcher}", **SAME_STEPS)
 
 
 @pytest.mark.slow
 @needs_gpus(1, "nccl world 1 under torchrun")
-def test_script_on_a_gpu_equals_the_cpu_run(script_runs):
-    single = script_runs[0]["python"].result()
-    run = run_script(SCRIPT, "--batch-size", "16", launcher="torchrun", nproc=1)
-    assert run.data["backend"] == "nccl" and run.data["device"] == "cuda:0"
-    # Different kernels sum in a different order: allow fp32 rounding to accumulate a little.
-    assert_parameters_close(load_trained(run.data["parameters"]),
-                            load_trained(single.data["parameters"]),
-                            what="final parameter, GPU vs CPU", rtol=1e-4, atol=1e-5)
+def test_script_on_a_gpu_equals_the_cpu_run(script_runs, tmp_path):
+    runs, checkpoints = script_runs
+    single = runs["python"].result()
+    checkpoint = tmp_path / "gpu.pt"
+    run = run_script(SCRIPT, *TRAIN_ONE_EPOCH, "--batch-size", "16", "--checkpoint",
+                     str(checkpoint), launcher="torchrun", nproc=1)
+    assert run.data["backend"] == "nccl" and run.data["device"] == "cuda:0", run.data
+    for key in ("train_loss", "val_loss"):
+        assert_close(torch.tensor(run.data[key]), torch.tensor(single.data[key]),
+                     f"GPU vs CPU: {key} per epoch", **CUDA_VS_CPU)
+    assert_parameters_close(trained(checkpoint), trained(checkpoints["python"]),
+                            what="trained parameter, GPU vs CPU", **SAME_STEPS)
 
 
-def test_script_explains_a_partial_launcher_environment(monkeypatch, capsys):
+SHORT_TEXT = 2000  # characters: 56 training windows of 32, 28 per rank
+
+
+def windows_read(ctx, epochs: int) -> list[int]:
+    """Run the script's fit() on this pooled rank, on a short text; return the indices of the
+    dataset's windows in the order this rank read them (training and validation)."""
     train = load_lesson_module(LESSON, "train_ddp")
+    read: list[int] = []
+
+    class Recorded(CharDataset):
+        def __getitem__(self, i):
+            read.append(int(i))
+            return super().__getitem__(i)
+
+    real = train.CharDataset
+    train.CharDataset = lambda block_size: Recorded(block_size, text=load_text()[:SHORT_TEXT])
+    try:
+        train.fit(ctx.device, epochs=epochs, batch_size=4, log=lambda *args, **kwargs: None)
+    finally:
+        train.CharDataset = real
+    return read
+
+
+def per_epoch(read: list[int], n_train: int) -> list[list[int]]:
+    """The training windows read in each epoch: the runs of indices below ``n_train``."""
+    epochs, current = [], []
+    for i in [*read, n_train]:  # validation windows (n_train and up) end an epoch
+        if i < n_train:
+            current.append(i)
+        elif current:
+            epochs.append(current)
+            current = []
+    return epochs
+
+
+def test_script_reads_its_own_shard_in_a_new_order_every_epoch():
+    """What the equality with one process cannot show: both runs share the script, so a script
+    that forgets set_epoch repeats epoch 1's order in both. Read the order itself."""
+    n_train = len(train_val_split(CharDataset(SIZES["tiny"]["block_size"],
+                                              text=load_text()[:SHORT_TEXT]))[0])
+    reads = run_on_ranks(windows_read, 2, world_size=2)
+    epochs = [per_epoch(read, n_train) for read in reads]
+    for rank, shards in enumerate(epochs):
+        assert len(shards) == 2, f"rank {rank} read training windows in {len(shards)} epochs, not 2"
+    for epoch in range(2):
+        shards = [epochs[rank][epoch] for rank in range(2)]
+        assert sorted(shards[0] + shards[1]) == list(range(n_train)), (
+            f"epoch {epoch + 1}: the 2 ranks read {len(shards[0])} and {len(shards[1])} training "
+            f"windows, not each its own half of the {n_train}: a DistributedSampler shards them")
+    for rank in range(2):
+        assert epochs[rank][0] != epochs[rank][1], (
+            f"rank {rank} read the same windows in the same order in epochs 1 and 2: call "
+            f"train_loader.sampler.set_epoch(epoch) before each epoch")
+
+
+@pytest.fixture
+def train_script(monkeypatch):
+    """train_ddp.py, imported, with no launcher variables in the environment."""
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    yield load_lesson_module(LESSON, "train_ddp")
+    if dist.is_initialized():  # a failed check must not leave a group to the next test
+        dist.destroy_process_group()
+
+
+def usage_error(train, argv: list[str], capsys) -> str:
+    """Call the script's main(argv), which must refuse: return 2, say why in one line on
+    stderr, and leave no process group behind. Returns that line."""
+    __tracebackhide__ = True
+    code = train.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, f"main({argv}) returned {code!r}, not 2 (a usage error). stderr: {err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"\S+\.py: error: ", lines[0]), (
+        f"expected one line 'train.py: error: ...' on stderr, got {lines}")
+    assert not dist.is_initialized(), (
+        "main returned with a process group still initialised: check before joining one")
+    return lines[0]
+
+
+def test_script_explains_a_partial_launcher_environment(train_script, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as info:
-        train.main([])
-    assert info.value.code == 2
-    message = capsys.readouterr().err
-    assert "MASTER_ADDR" in message and "torchrun" in message, message
+    message = usage_error(train_script, [], capsys)
+    assert all(name in message for name in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")), message
+    assert "torchrun" in message, message
 
 
-def test_script_explains_nccl_without_gpus(monkeypatch, capsys):
-    train = load_lesson_module(LESSON, "train_ddp")
-    launcher_env = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT")
-    saved = {name: os.environ.pop(name) for name in launcher_env if name in os.environ}
+def test_script_explains_nccl_without_gpus(train_script, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    try:
-        with pytest.raises(SystemExit):
-            train.main(["--backend", "nccl"])
-    finally:  # a one-process run fills these in itself
-        for name in launcher_env:
-            os.environ.pop(name, None)
-        os.environ.update(saved)
-    assert "needs CUDA GPUs" in capsys.readouterr().err
-    assert not dist.is_initialized()
+    message = usage_error(train_script, ["--backend", "nccl"], capsys)
+    assert "needs CUDA GPUs" in message and "0 GPU(s)" in message, message
 
 
-def test_script_explains_more_ranks_than_gpus(monkeypatch, capsys):
-    train = load_lesson_module(LESSON, "train_ddp")
+def test_script_explains_more_ranks_than_gpus(train_script, monkeypatch, capsys):
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # never reached: fails before
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(SystemExit):
-        train.main(["--backend", "nccl"])
-    assert "4 processes on this machine, 2 GPU(s) visible" in capsys.readouterr().err
+    message = usage_error(train_script, ["--backend", "nccl"], capsys)
+    assert "4 processes on this machine, 2 GPU(s) visible" in message, message
 
 
 def test_the_script_and_the_exercise_name_the_same_launcher_variables(ex):

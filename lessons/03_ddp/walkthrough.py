@@ -82,20 +82,25 @@ print("largest difference:", (whole - averaged).abs().max().item())
 # %% [markdown]
 # ## 3. Real DDP, launched from here
 #
-# A notebook kernel is one process: it cannot *become* two ranks, and `mp.spawn` from a
-# notebook fails (spawned children cannot import functions defined in a cell) or leaves the
-# cell waiting on children that died. Launch the script with `torchrun` in a subprocess
-# instead, with a timeout, and read what it prints.
+# `train_ddp.py` is lesson 00's training of the small GPT, plus DDP. A notebook kernel is one
+# process: it cannot *become* two ranks, and `mp.spawn` from a notebook fails (spawned
+# children cannot import functions defined in a cell) or leaves the cell waiting on children
+# that died. Launch the script with `torchrun` in a subprocess instead, with a timeout, and
+# read what it prints. `--batch-size 8` is per process: 2 ranks x 8 make a global batch of 16.
 
 # %%
 command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", str(HERE / "train_ddp.py"), "--epochs", "2"]
+           "--nproc-per-node=2", str(HERE / "train_ddp.py"), "--epochs", "1",
+           "--batch-size", "8"]
 run = subprocess.run(command, capture_output=True, text=True, timeout=180,
                      env={**os.environ, "OMP_NUM_THREADS": "1"})
 print(run.stdout)
 assert run.returncode == 0, run.stderr
 
 # %% [markdown]
-# The first line says which backend was chosen (gloo here: no GPUs). Only rank 0 prints.
+# The first line says which backend was chosen (gloo here: no GPUs) and the global batch.
+# Only rank 0 prints; its train loss is the mean over both ranks' windows (an all-reduce).
+# `python lessons/03_ddp/train_ddp.py --epochs 1 --batch-size 16`, one process with the
+# same global batch, prints the same losses: that equality is what the lesson's tests check.
 # Next, in the lesson text: how to write `init_from_env`, `average_gradients` and the rest
 # yourself, and the tests that grade them.

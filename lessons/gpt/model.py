@@ -12,6 +12,7 @@ Built so that the later lessons can cut it without rewriting it:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -164,3 +165,17 @@ class GPT(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def parameter_digest(module: nn.Module) -> str:
+    """sha256 of every parameter and buffer's name, dtype, shape and exact bytes.
+
+    Two runs that end with the same digest trained bit-for-bit the same model. Pass the model
+    itself, not a wrapper (``ddp_model.module``), so the names carry no ``module.`` prefix.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(bytes(t.reshape(-1).view(torch.uint8).tolist()))
+    return digest.hexdigest()

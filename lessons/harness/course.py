@@ -21,6 +21,9 @@ class Script:
     launcher: str = "python"  # "python", "torchrun" or "launch" (harness.launch)
     nproc: int = 1
     smallest: tuple[str, ...] = ()  # arguments of its quickest complete run
+    # A step of the chain: "<lesson folder>/<script>" this script is a copy of, changed only by
+    # what its lesson teaches. harness/chain.py shows the diff in the lesson's README.
+    builds_on: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +49,14 @@ def _labs(*names: str) -> tuple[Script, ...]:
     return tuple(Script(f"labs/{name}.py", "torchrun", 2, ("--fix",)) for name in names)
 
 
+QUICK = ("--epochs", "1", "--train-windows", "64")  # the chain's scripts, at their smallest
+
 COURSE: tuple[Lesson, ...] = (
     Lesson("00_single_gpu", "One device, done right",
            {"task0_1": "choose_device", "task0_2": "to_device", "task0_3": "train_step",
             "task0_4": "evaluate"},
-           (Script("train.py", smallest=("--epochs", "1")),
+           # The chain starts here; --train-windows 64: an epoch of 4 steps.
+           (Script("train.py", smallest=QUICK),
             Script("fast_one_device.py", smallest=(
                 "--device", "cpu", "--width", "32", "--blocks", "1", "--batch", "16",
                 "--steps", "2", "--warmup", "1", "--no-compile")))),
@@ -58,20 +64,20 @@ COURSE: tuple[Lesson, ...] = (
            {"task1_1": "scatter_sizes", "task1_2": "scatter", "task1_3": "replicate",
             "task1_4": "gather", "task1_5": "reduce_gradients_into",
             "task1_6": "data_parallel_step"},
-           (Script("train.py", smallest=("--steps", "2", "--batch-size", "32", "--hidden", "16")),
+           (Script("train.py", smallest=QUICK, builds_on="00_single_gpu/train.py"),
             Script("where_the_batch_goes.py", smallest=("--batch-size", "6", "--replicas", "2")))),
     Lesson("02_model_parallel", "Model parallelism by hand",
            {"task2_1": "place_stages, staged_model", "task2_2": "pipelined_step",
             "task2_3": "bubble_fraction"},
-           (Script("split_model.py", smallest=("--width", "16", "--batch-size", "8",
-                                               "--steps", "2")),
+           (Script("train.py", smallest=(*QUICK, "--micro-batches", "2"),
+                   builds_on="00_single_gpu/train.py"),
             Script("pipeline_sweep.py", smallest=("--width", "16", "--batch-size", "8",
                                                   "--micro-batches", "1,2", "--steps", "1")))),
     Lesson("03_ddp", "DDP with torchrun",
            {"task3_1": "shard_indices", "task3_2": "init_from_env", "task3_3": "average_gradients",
             "task3_4": "train_one_epoch", "task3_5": "GradientBuckets"},
-           (Script("train_ddp.py", "torchrun", 2, ("--epochs", "1", "--samples", "32")),
-            Script("train_spawn.py", smallest=("--nprocs", "2")))),
+           (Script("train_ddp.py", "torchrun", 2, QUICK, builds_on="00_single_gpu/train.py"),
+            Script("train_spawn.py", smallest=("--nprocs", "2", *QUICK)))),
     Lesson("04_pitfalls", "Pitfalls and the doctor",
            {"task4_1": "exact_accuracy", "task4_2": "pick_device", "task4_3": "save_on_rank0",
             "task4_4": "train_with_join", "task4_5": "load_checkpoint",

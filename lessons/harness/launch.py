@@ -3,7 +3,7 @@
 
     result = run_script("lessons/03_ddp/train_ddp.py", "--epochs", "2",
                         launcher="torchrun", nproc=2)
-    result.data["losses"]      # what rank 0 wrote to the file passed as --result
+    result.data["train_loss"]  # what rank 0 wrote to the file passed as --result
     result.output              # stdout and stderr, each line tagged "[default<rank>]:" by torchrun
 
 ``start_script`` (same arguments) starts a script and returns at once, so that a test module

@@ -1,0 +1,135 @@
+"""The chain of scripts: each step is its predecessor plus only what its lesson teaches.
+
+The manifest (lessons/harness/course.py) names each step's predecessor; lessons/harness/chain.py
+computes the diffs. These checks keep the chain honest: the README shows the diff as the files
+have it now, no step changes more than the limit, the running example is defined once (in
+lessons/gpt) and imported by every step, and a name means one thing within a lesson.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import gpt
+from harness import chain
+from harness.course import COURSE
+
+STEPS = chain.steps()
+LESSONS_DIR = chain.LESSONS_DIR
+
+
+def _ids(steps):
+    return [step.name for step in steps]
+
+
+def test_the_chain_has_its_steps():
+    assert [step.name for step in STEPS][:3] == [
+        "01_data_parallel/train.py", "02_model_parallel/train.py", "03_ddp/train_ddp.py"]
+    assert all(step.script.builds_on == "00_single_gpu/train.py" for step in STEPS[:3])
+
+
+@pytest.mark.parametrize("step", STEPS, ids=_ids(STEPS))
+def test_a_step_builds_on_a_script_of_an_earlier_lesson(step):
+    folder, _, script = step.script.builds_on.partition("/")
+    earlier = {entry.folder: entry for entry in COURSE if entry.number < step.lesson.number}
+    assert folder in earlier, (
+        f"{step.name} builds on {step.script.builds_on}, which is not in an earlier lesson")
+    assert script in [s.path for s in earlier[folder].scripts], (
+        f"{step.script.builds_on} is not a script of the manifest")
+    assert step.previous.is_file() and step.path.is_file()
+
+
+@pytest.mark.parametrize("step", STEPS, ids=_ids(STEPS))
+def test_the_readme_shows_the_current_diff(step):
+    why = chain.stale(step)
+    assert why is None, why
+
+
+@pytest.mark.parametrize("step", STEPS, ids=_ids(STEPS))
+def test_a_step_changes_at_most_the_limit(step):
+    counts = chain.count(step)
+    assert counts.changed <= chain.MAX_CHANGED_LINES, (
+        f"{step.name} changes {counts.changed} lines of {step.script.builds_on} "
+        f"(+{counts.added} -{counts.removed}); a step may change {chain.MAX_CHANGED_LINES}: "
+        "move what is not this lesson's point into lessons/gpt or the base script")
+
+
+def test_the_count_sees_every_kind_of_change(tmp_path, monkeypatch):
+    """A replaced line counts once, an added or removed line once, a blank line not at all."""
+    old = tmp_path / "old.py"
+    new = tmp_path / "new.py"
+    old.write_text("a\nb\nc\n\nd\n")
+    new.write_text("a\nB\nc\nx\n\n\ny\nd\n")  # b replaced, x and y added, blank lines added
+    step = chain.Step(COURSE[1], COURSE[1].scripts[0])
+    monkeypatch.setattr(chain.Step, "previous", property(lambda self: old))
+    monkeypatch.setattr(chain.Step, "path", property(lambda self: new))
+    counts = chain.count(step)
+    assert (counts.added, counts.removed, counts.changed) == (3, 1, 3)
+
+
+def test_a_stale_readme_is_caught(tmp_path, monkeypatch):
+    step = STEPS[0]
+    readme = tmp_path / "README.md"
+    readme.write_text(chain.block(step).replace("+", "+ ", 1))  # one character off
+    monkeypatch.setattr(chain.Step, "readme", property(lambda self: readme))
+    assert "old diff" in chain.stale(step)
+    readme.write_text("no block at all\n")
+    assert "shows no diff" in chain.stale(step)
+
+
+def _top_level(path: Path) -> dict[str, str]:
+    source = path.read_text(encoding="utf-8")
+    return {node.name: ast.get_source_segment(source, node)
+            for node in ast.parse(source).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def _imports_from_gpt(path: Path) -> set[str]:
+    return {alias.name for node in ast.parse(path.read_text(encoding="utf-8")).body
+            if isinstance(node, ast.ImportFrom) and node.module == "gpt" for alias in node.names}
+
+
+CHAIN_FILES = sorted({LESSONS_DIR / s.script.builds_on for s in STEPS} | {s.path for s in STEPS})
+
+
+@pytest.mark.parametrize("path", CHAIN_FILES, ids=lambda p: str(p.relative_to(LESSONS_DIR)))
+def test_every_step_imports_the_running_example(path):
+    assert {"GPT", "GPTConfig", "CharDataset", "parameter_digest"} <= _imports_from_gpt(path), (
+        f"{path.relative_to(LESSONS_DIR)} must import the model, its data and the digest from "
+        "lessons/gpt, not define its own")
+
+
+def test_the_running_example_is_defined_once():
+    """No lesson file defines what lessons/gpt exports: a copy would drift from the original."""
+    exported = set(gpt.__all__)
+    copies = [f"{path.relative_to(LESSONS_DIR)} defines {name}"
+              for path in sorted(LESSONS_DIR.rglob("*.py"))
+              if "gpt" not in path.relative_to(LESSONS_DIR).parts[:1]
+              for name in _top_level(path).keys() & exported]
+    assert not copies, "import these from lessons/gpt instead: " + "; ".join(copies)
+
+
+# Each script has its own entry point; lesson 04's labs share theirs and are kept identical by
+# lesson 04's own test.
+ENTRY_POINTS = {"main", "parse_args"}
+
+
+@pytest.mark.parametrize("entry", COURSE, ids=[entry.folder for entry in COURSE])
+def test_a_name_means_one_thing_within_a_lesson(entry):
+    """Two scripts of a lesson that define the same function define the same function."""
+    seen: dict[str, tuple[str, str]] = {}
+    clashes = []
+    for script in entry.scripts:
+        if script.path.startswith("labs/"):
+            continue
+        for name, source in _top_level(LESSONS_DIR / entry.folder / script.path).items():
+            if name in ENTRY_POINTS:
+                continue
+            first = seen.setdefault(name, (script.path, source))
+            if first[1] != source:
+                clashes.append(f"{name} in {first[0]} and {script.path}")
+    assert not clashes, ("same name, different code (make them identical, or rename one): "
+                         + "; ".join(clashes))
