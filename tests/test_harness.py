@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import ranks
+from harness import forkserver, ranks
 from harness.exercises import REPO_ROOT, solutions_mode
 from harness.launch import LaunchError, run_script, start_script
 from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
@@ -63,8 +63,9 @@ def graded_mode(ctx):
 
 
 def _children() -> set[int]:
-    """PIDs of this process's live children: zombies, and multiprocessing's resource tracker
-    (started once by the first spawn, lives as long as this process), excluded."""
+    """PIDs of this process's live children: zombies, multiprocessing's resource tracker
+    (started once by the first spawn, lives as long as this process) and the pytest fork
+    servers of harness.forkserver (the same) excluded."""
     mine = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -76,7 +77,7 @@ def _children() -> set[int]:
         if fields[0] != "Z" and int(fields[1]) == os.getpid():
             if b"resource_tracker" not in (entry / "cmdline").read_bytes():
                 mine.add(int(entry.name))
-    return mine
+    return mine - forkserver.server_pids()
 
 
 def _alive(pid: int) -> bool:
@@ -339,11 +340,14 @@ def _pytest_folder(tmp_path: Path, test_source: str) -> Path:
 
 
 def test_forkserver_runs_pytest_in_the_folder_with_the_environment_given(tmp_path):
-    from harness import forkserver
-
-    folder = _pytest_folder(tmp_path, """
-        import os, sys
+    marker = tmp_path / "atexit-ran"
+    folder = _pytest_folder(tmp_path, f"""
+        import atexit, os, sys
         import mine
+
+        # The end of a normal interpreter runs these (the rank pools stop their workers here):
+        # a forked run must too.
+        atexit.register(lambda: open({str(marker)!r}, "w").write("ran"))
 
         def test_it():
             print("cwd", os.getcwd(), "x", os.environ.get("COURSE_X"), "home", "HOME" in os.environ)
@@ -359,11 +363,10 @@ def test_forkserver_runs_pytest_in_the_folder_with_the_environment_given(tmp_pat
     assert code == 1, output  # pytest's "some tests failed"
     assert f"cwd {folder} x 1 home False" in output, output
     assert "1 failed, 1 passed" in output, output
+    assert marker.exists(), "the run's atexit handlers did not run"
 
 
 def test_forkserver_kills_a_run_and_its_children_at_the_timeout(tmp_path):
-    from harness import forkserver
-
     marker = tmp_path / "child.pid"
     folder = _pytest_folder(tmp_path, f"""
         import subprocess, time
@@ -380,17 +383,9 @@ def test_forkserver_kills_a_run_and_its_children_at_the_timeout(tmp_path):
     assert time.monotonic() - started < 30
     child = int(marker.read_text())
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        # a zombie counts as gone: it is nobody's child here once the group is killed
-        if Path(f"/proc/{child}/stat").exists() and ") Z" in Path(f"/proc/{child}/stat").read_text():
-            break
+    while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    else:
-        pytest.fail(f"the run's child {child} outlived the timeout")
+    assert not _alive(child), f"the run's child {child} outlived the timeout"
 
 
 def test_raise_if_untouched_tells_a_stub_from_an_answer():

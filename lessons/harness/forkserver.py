@@ -27,7 +27,7 @@ from pathlib import Path
 TIMED_OUT = -9  # the exit status run_pytest returns when the run was killed at its timeout
 
 _SERVER = r"""
-import json, os, signal, sys, time, traceback
+import atexit, json, os, signal, sys, threading, time, traceback
 # The expensive imports, once. Nothing of the course: children import their own copy of it.
 import torch, torch.distributed, torch.multiprocessing, torch.nn, torch.utils.data  # noqa
 import pytest
@@ -52,9 +52,16 @@ for line in sys.stdin:
         except BaseException:
             traceback.print_exc()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            # What the end of a normal interpreter does, which os._exit skips: wait for
+            # non-daemon threads, then run the atexit handlers (the rank pools' close_all
+            # stops and reaps their workers, multiprocessing reaps its children).
+            try:
+                threading._shutdown()
+                atexit._run_exitfuncs()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
     deadline = time.monotonic() + job["timeout"]
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -125,6 +132,12 @@ def close_all() -> None:
         for server in _servers:
             server.close()
         _servers.clear()
+
+
+def server_pids() -> set[int]:
+    """The PIDs of this process's fork servers (children of it that live until it exits)."""
+    with _lock:
+        return {server.process.pid for server in _servers if server.process.poll() is None}
 
 
 def available() -> bool:
