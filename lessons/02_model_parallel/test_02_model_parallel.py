@@ -808,7 +808,8 @@ def test_batchnorm_breaks_the_micro_batch_equivalence(sweep):
 # Both scripts are started together, once, when the first of their tests asks: each spends
 # most of its time importing torch, and two cores do that for both at once.
 SCRIPT_RUNS = {
-    "train.py": ["--epochs", "1", "--micro-batches", "2"],
+    # An epoch over the first 480 windows: 30 steps, enough for the loss to fall clearly.
+    "train.py": ["--epochs", "1", "--train-windows", "480", "--micro-batches", "2"],
     "pipeline_sweep.py": ["--width", "16", "--depth", "4", "--batch-size", "30",
                           "--micro-batches", "1,2,4,64", "--steps", "2"],
 }
