@@ -11,9 +11,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import gpt
 import pytest
 
-import gpt
 from harness import chain
 from harness.course import COURSE
 

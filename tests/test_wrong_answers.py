@@ -38,7 +38,8 @@ from harness.selfcheck import (
 WRONG_ANSWERS_DIR = Path(__file__).parent / "wrong_answers"
 WRONG_ANSWERS = sorted(WRONG_ANSWERS_DIR.glob("*/task*.py"))
 RUN_TIMEOUT = 240.0  # seconds for one graded run; most take 3-8 s
-PARALLEL_RUNS = 3  # most of a run is importing torch or waiting on a timeout: three overlap on 2 cores
+# Most of a graded run is importing torch or waiting on a timeout: three overlap on 2 cores.
+PARALLEL_RUNS = 3
 
 
 def read_wrong_answer(path: Path) -> dict:

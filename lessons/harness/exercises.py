@@ -12,9 +12,9 @@ import ast
 import importlib.util
 import inspect
 import os
-import textwrap
 import re
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
