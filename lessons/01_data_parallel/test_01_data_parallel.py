@@ -752,6 +752,7 @@ def test_train_refuses_device_ids_that_are_not_numbers(train, capsys):
 @pytest.mark.parametrize("argv, expected", [
     (["--device", "cpu"], "lessons/00_single_gpu/train.py --device cpu"),
     (["--device-ids", "0,5"], "this machine has GPUs 0 to 1"),
+    (["--bf16"], "autocast to float16"),  # the replica threads do not inherit the dtype
 ])
 def test_train_refuses_what_data_parallel_cannot_do_on_a_gpu_machine(train, monkeypatch, capsys,
                                                                      argv, expected):

@@ -232,6 +232,9 @@ def main(argv=None) -> int:
                              "or run lessons/00_single_gpu/train.py --device cpu")
         # On one GPU, [0, 0]: two replicas on the same GPU, to see the mechanics.
         device_ids = args.device_ids or (list(range(gpus)) if gpus > 1 else [0, 0])
+        if args.bf16 and gpus:  # each replica's thread re-enters autocast without the dtype
+            raise ValueError("--bf16: DataParallel's replica threads would autocast to float16 "
+                             "(torch/nn/parallel/parallel_apply.py); lesson 03's DDP does bf16")
         if gpus and not all(0 <= i < gpus for i in device_ids):
             raise ValueError(f"--device-ids {device_ids}: this machine has GPUs 0 to {gpus - 1}")
         if device.type == "cuda":

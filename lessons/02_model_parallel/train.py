@@ -103,8 +103,8 @@ def train_one_epoch(model, loader, optimizer, device, bf16: bool = False,
         # non_blocking: with pinned memory the copy overlaps with work already queued on the GPU.
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        # Each piece's forward is queued before any backward: the second device runs piece k
-        # while the first runs k + 1. Weighted by size, the pieces sum to the batch's mean loss.
+        # Each piece's forward is queued before any backward: on two GPUs the second runs piece
+        # k while the first runs k + 1. Weighted by size, the pieces sum to the batch's mean loss.
         pieces = zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True)
         loss = sum(next_char_loss(model, x, y, bf16)[1] * len(x) / len(inputs) for x, y in pieces)
         optimizer.zero_grad(set_to_none=True)
@@ -151,7 +151,7 @@ def save_checkpoint(model, path: Path) -> None:
 def fit(devices, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
         compile: bool = False, micro_batches: int = 1, log=print):
-    """Train from scratch on ``device``; returns (model, result dict)."""
+    """Train from scratch on ``devices``; returns (model, result dict)."""
     dataset = CharDataset(SIZES[size]["block_size"])
     train_set, val_set = train_val_split(dataset)
     if train_windows:  # a quick run: the first windows only
@@ -172,8 +172,9 @@ def fit(devices, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
     log(f"device {device} ({where}), torch {torch.__version__}, {len(train_set)} train / "
         f"{len(val_set)} val windows of {dataset.block_size} characters, "
         f"{model.num_parameters():,} parameters, seed {seed}")
-    result = {"devices": list(map(str, devices)), "size": size, "seed": seed, "epochs": epochs,
-              "batch_size": batch_size, "lr": lr, "bf16": bf16, "micro_batches": micro_batches,
+    result = {"devices": list(map(str, devices)), "micro_batches": micro_batches,
+              "size": size, "seed": seed, "epochs": epochs,
+              "batch_size": batch_size, "lr": lr, "bf16": bf16, "compile": compile,
               "torch": torch.__version__, "sample_before": sample(model, dataset, device),
               "train_loss": [], "val_loss": [], "val_accuracy": [], "epoch_seconds": []}
     log(f"sample before training: {result['sample_before']!r}")

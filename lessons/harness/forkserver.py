@@ -8,7 +8,9 @@ run's folder, takes the run's environment and calls ``pytest.main`` there.
 
 The server imports nothing of the course, so each child imports the ``harness``, lessons and
 exercises of the folder it runs in (a scratch copy has its own). The child runs in a session of
-its own: when its time is up, it and every process it started are killed together.
+its own: when its time is up, every process still in that session is killed with it. (A script
+started by ``harness.launch`` has a session of its own and is stopped by the test that started
+it; pytest-timeout ends a stuck test, teardown included, long before the run's own limit.)
 
     rc, output = run_pytest(["lessons/00_single_gpu", "-q"], cwd=root, env=env, timeout=300)
 """
@@ -24,7 +26,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-TIMED_OUT = -9  # the exit status run_pytest returns when the run was killed at its timeout
+# What run_pytest returns as the exit status of a run killed at its timeout: not a status a
+# process can end with (0 to 255, or minus a signal's number).
+TIMED_OUT = -1000
 
 _SERVER = r"""
 import atexit, json, os, signal, sys, threading, time, traceback
@@ -99,6 +103,12 @@ class _Server:
             if not reply:
                 raise RuntimeError(f"the pytest fork server exited ({self.process.poll()})")
             return json.loads(reply)["code"], Path(path).read_text(errors="replace")
+        except BaseException:
+            # Interrupted or broken mid-job: its reply would be read as the next job's. This
+            # server is done; the next run on this thread starts a new one.
+            self.process.kill()
+            self.process.wait()
+            raise
         finally:
             os.unlink(path)
 
