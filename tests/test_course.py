@@ -22,6 +22,7 @@ from harness.exercises import (
     TASK_ID,
     lesson_names,
     load_path,
+    stub_message,
 )
 from harness.grading import HARDWARE_SKIP_PREFIX
 from harness.selfcheck import (
@@ -128,13 +129,8 @@ def _stubbed_bodies_blanked(tree: ast.Module, names: set[str] | None = None) -> 
     blanked = set()
 
     def is_stub(function) -> bool:
-        body = function.body[1:] if ast.get_docstring(function) is not None else function.body
-        if len(body) != 1 or not isinstance(body[0], ast.Raise):
-            return False
-        call = body[0].exc
-        return (isinstance(call, ast.Call) and getattr(call.func, "id", "") == "NotImplementedError"
-                and bool(call.args) and isinstance(call.args[0], ast.Constant)
-                and bool(STUB_MESSAGE.match(str(call.args[0].value))))
+        message = stub_message(function)
+        return message is not None and bool(STUB_MESSAGE.match(message))
 
     def visit(node, prefix: str) -> None:
         for child in node.body:

@@ -27,9 +27,8 @@ if __package__ in (None, ""):  # run as a file: make `harness` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.course import COURSE, Lesson, Script  # noqa: E402
+from harness.exercises import LESSONS_DIR  # noqa: E402
 
-LESSONS_DIR = Path(__file__).resolve().parents[1]
-REPO_ROOT = LESSONS_DIR.parent
 MAX_CHANGED_LINES = 60
 CONTEXT_LINES = 2
 

@@ -100,14 +100,19 @@ def raise_if_untouched(function) -> None:
     find the stub: the test is then reported as not attempted at once. Reads the source, never
     calls the function, so a written answer has no side effect here.
     """
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    body = tree.body[0].body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]  # the docstring
-    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
-        return
-    exc = body[0].exc
-    if (isinstance(exc, ast.Call) and getattr(exc.func, "id", None) == "NotImplementedError"
-            and exc.args and isinstance(exc.args[0], ast.Constant)
-            and TASK_ID.search(str(exc.args[0].value))):
-        raise NotImplementedError(exc.args[0].value)
+    message = stub_message(ast.parse(textwrap.dedent(inspect.getsource(function))).body[0])
+    if message is not None and TASK_ID.search(message):
+        raise NotImplementedError(message)
+
+
+def stub_message(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    """The message of ``raise NotImplementedError("...")`` when that (after the docstring) is
+    all the function's body holds, else None: how a stub is told from an answer by its source."""
+    body = function.body[1:] if ast.get_docstring(function) is not None else function.body
+    if len(body) != 1 or not isinstance(body[0], ast.Raise):
+        return None
+    call = body[0].exc
+    if (isinstance(call, ast.Call) and getattr(call.func, "id", "") == "NotImplementedError"
+            and call.args and isinstance(call.args[0], ast.Constant)):
+        return str(call.args[0].value)
+    return None
