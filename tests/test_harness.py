@@ -407,3 +407,90 @@ def test_raise_if_untouched_tells_a_stub_from_an_answer():
     assert task_of(info.value) == "task9_9"
     raise_if_untouched(answer)
     raise_if_untouched(refuses)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_held_bytes_counts_each_storage_once_with_gradients_and_hooks():
+    from harness.memory import held_bytes, held_tensors
+
+    layer = torch.nn.Linear(10, 10)  # 100 + 10 floats
+    assert held_bytes(layer) == 4 * 110
+    layer(torch.randn(3, 10)).sum().backward()
+    assert held_bytes(layer) == 2 * 4 * 110, "the gradients count too"
+
+    class Holder:
+        def __init__(self, model):
+            self.model = model
+            self.views = [p.detach().view(-1)[:3] for p in model.parameters()]  # same storage
+            self.extra = torch.zeros(25)
+
+    holder = Holder(layer)
+    assert held_bytes(holder) == 2 * 4 * 110 + 4 * 25
+    assert held_bytes(holder, exclude=[layer]) == 4 * 25, "exclude drops what the model holds"
+    captured = torch.zeros(7)
+    layer.register_forward_hook(lambda module, args, out: captured.sum())
+    assert held_bytes(layer) == 2 * 4 * 110 + 4 * 7, "a hook's closure holds its tensors"
+    paths = {held.path for held in held_tensors(holder).values()}
+    assert any("extra" in path for path in paths), paths
+
+
+def test_held_bytes_sees_freed_storage_and_meta_tensors_as_nothing():
+    from harness.memory import held_bytes
+
+    freed = torch.zeros(100)
+    freed.untyped_storage().resize_(0)  # how FSDP frees a gathered parameter
+    assert held_bytes([freed, torch.empty(50, device="meta")]) == 0
+    assert held_bytes({"kept": torch.zeros(3, dtype=torch.float64)}) == 24
+
+
+def test_held_bytes_does_not_walk_into_globals():
+    from harness.memory import held_bytes
+
+    def uses_a_global():
+        return GLOBAL_TENSOR.sum()
+
+    assert held_bytes([uses_a_global]) == 0, "a function's globals are the program's"
+
+
+GLOBAL_TENSOR = torch.zeros(1000)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def collectives_counted(ctx):
+    from harness.collectives import CollectiveLog
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    alias = type("Module", (), {"gather": gather})  # a module's own name for a collective
+    with CollectiveLog(alias) as log:
+        dist.all_reduce(torch.ones(8))  # 32 bytes
+        whole = torch.empty(2 * ctx.world_size)
+        alias.gather(whole, torch.ones(2))  # 8 bytes per rank, gathered whole
+        dist.reduce_scatter_tensor(torch.empty(3), torch.ones(3 * ctx.world_size))  # old name
+        dist.broadcast(torch.ones(5), src=0)
+    restored = dist.all_reduce is log_real_all_reduce() and alias.gather is gather
+    del whole
+    return {"ops": [(c.op, c.payload) for c in log.calls], "ring": log.ring_bytes(ctx.world_size),
+            "summary": log.summary(), "restored": restored,
+            "gathered_freed": not log.of("all_gather")[0].alive()}
+
+
+def log_real_all_reduce():
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d.all_reduce
+
+
+def test_collective_log_counts_payloads_once_and_restores_the_functions():
+    world = 2
+    for result in run_on_ranks(collectives_counted, world_size=world):
+        # reduce_scatter_tensor forwards to reduce_scatter_single in new torch: counted once
+        assert result["ops"] == [("all_reduce", 32), ("all_gather", 8 * world),
+                                 ("reduce_scatter", 12 * world), ("broadcast", 20)], result
+        share = (world - 1) / world
+        assert result["ring"] == share * (2 * 32 + 16 + 24 + 20), result
+        assert result["restored"] and result["gathered_freed"], result
+        assert "1 all_reduce (0.0 kB)" in result["summary"], result["summary"]

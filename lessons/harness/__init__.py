@@ -8,6 +8,9 @@
 - ``harness.compare``: tensor comparison whose failure message a learner can act on.
 - ``harness.ranks``: run a function on N ranks through a reusable pool of worker processes.
 - ``harness.launch``: run a lesson script under the real ``torchrun`` and read its result.
+- ``harness.memory``: the bytes of the tensors an object (a model, an optimizer) holds, for
+  memory claims that must hold on a CPU too.
+- ``harness.collectives``: count the collectives a piece of code calls and the bytes they move.
 - ``harness.course``: the course manifest: lessons, their tasks and scripts.
 - ``harness.selfcheck``: run the course's own tests from outside, in scratch copies (for
   ``tests/``: solutions pass, stubs and known wrong answers are caught).

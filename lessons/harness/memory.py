@@ -1,0 +1,125 @@
+"""Bytes of tensors an object holds, found by following its references: memory checks on a CPU.
+
+On a GPU, ``torch.cuda.memory_allocated`` says how much a process holds; on a CPU nothing does.
+The sharding lessons' claims are about what each rank keeps (parameters, gradients, optimizer
+state), so the checks ask what a model, an optimizer or a sharded wrapper holds::
+
+    from harness.memory import held_bytes, held_tensors
+
+    held_bytes(model)                       # every tensor reachable from the model, in bytes
+    held_bytes(optimizer, exclude=[model])  # what the optimizer holds beyond the model
+    held_tensors(model)                     # the same, one entry per storage, with a path to it
+
+Every storage is counted once (a view shares its base's), a tensor's ``.grad`` and a DTensor's
+local shard included. A storage resized to nothing (how FSDP frees an unsharded parameter)
+counts 0, and a meta tensor has no memory at all.
+
+The walk follows attributes, containers, hooks and closures, but not module globals, classes or
+a function's globals: it counts what the object holds, not what the program holds. Tensors that
+autograd saved for backward are not reachable from Python objects and are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import types
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """One storage: its size, and the first path by which the walk reached it."""
+
+    nbytes: int
+    path: str
+
+
+# Never descended into: what they reach is the program's, not the object's.
+_OPAQUE = (type, types.ModuleType, types.CodeType, types.FrameType, types.BuiltinFunctionType,
+           str, bytes, bytearray, int, float, complex, bool, torch.device, torch.dtype)
+
+
+@functools.cache
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return ()
+    return DTensor
+
+
+def held_tensors(*roots, exclude=()) -> dict[tuple, Held]:
+    """Storage key -> :class:`Held`, for every tensor storage reachable from ``roots`` and not
+    from ``exclude``."""
+    excluded = _walk(exclude, "excluded") if exclude else {}
+    return {key: held for key, held in _walk(roots, "").items() if key not in excluded}
+
+
+def held_bytes(*roots, exclude=()) -> int:
+    """Bytes of every tensor storage reachable from ``roots`` and not from ``exclude``."""
+    return sum(held.nbytes for held in held_tensors(*roots, exclude=exclude).values())
+
+
+def _walk(roots, prefix: str) -> dict[tuple, Held]:
+    found: dict[tuple, Held] = {}
+    seen: set[int] = set()
+    stack = [(root, f"{prefix}[{i}]" if len(roots) > 1 or prefix else _name(root))
+             for i, root in enumerate(roots)]
+    dtensor = _dtensor_type()
+    while stack:
+        obj, path = stack.pop()
+        if id(obj) in seen or isinstance(obj, _OPAQUE) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if dtensor and isinstance(obj, dtensor):
+                stack.append((obj._local_tensor, f"{path} (local shard)"))
+            elif obj.device.type != "meta":
+                storage = obj.untyped_storage()
+                key = (str(obj.device), storage.data_ptr())
+                if storage.nbytes() and key not in found:
+                    found[key] = Held(storage.nbytes(), path)
+            if obj.is_leaf and obj.grad is not None:  # .grad of a non-leaf warns
+                stack.append((obj.grad, f"{path}.grad"))
+            if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+                stack.extend((r, f"{path}.?") for r in gc.get_referents(obj))  # subclasses
+            continue
+        if isinstance(obj, types.FunctionType):  # a hook or closure: its cells, not its globals
+            cells = [cell.cell_contents for cell in obj.__closure__ or ()
+                     if _cell_filled(cell)]
+            stack.extend((value, f"{path}<closure>") for value in cells)
+            stack.extend((value, f"{path}<default>") for value in obj.__defaults__ or ())
+            continue
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                shown = (f"<{type(key).__name__} {tuple(key.shape)}>" if torch.is_tensor(key)
+                         else f"{key!r:.40}")
+                stack.append((key, f"{path}<key>"))
+                stack.append((value, f"{path}[{shown}]"))
+            continue
+        if isinstance(obj, (list, tuple)):
+            stack.extend((value, f"{path}[{i}]") for i, value in enumerate(obj))
+            continue
+        # Everything the object refers to; its attributes pushed last, so that they are walked
+        # first and a storage's path names them ("optimizer.state[...]", "model.blocks").
+        attributes = getattr(obj, "__dict__", None)
+        attributes = attributes if isinstance(attributes, dict) else {}
+        stack.extend((value, f"{path}.{type(value).__name__}") for value in gc.get_referents(obj)
+                     if value is not attributes)
+        stack.extend((value, f"{path}.{name}") for name, value in attributes.items())
+    return found
+
+
+def _cell_filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _name(obj) -> str:
+    return type(obj).__name__
