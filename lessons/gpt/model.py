@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -167,14 +168,16 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def parameter_digest(module: nn.Module) -> str:
+def parameter_digest(model: nn.Module | Mapping[str, torch.Tensor]) -> str:
     """sha256 of every parameter and buffer's name, dtype, shape and exact bytes.
 
     Two runs that end with the same digest trained bit-for-bit the same model. Pass the model
-    itself, not a wrapper (``ddp_model.module``), so the names carry no ``module.`` prefix.
+    itself, not a wrapper (``ddp_model.module``), so the names carry no ``module.`` prefix, or a
+    state dict of plain tensors (a sharded model's, gathered whole).
     """
     digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
+    state = model.state_dict() if isinstance(model, nn.Module) else model
+    for name, tensor in state.items():
         t = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         digest.update(bytes(t.reshape(-1).view(torch.uint8).tolist()))
