@@ -134,3 +134,50 @@ def test_torchrun_sets_one_omp_thread_per_rank_and_warns_about_it():
     assert run.returncode == 0, output
     assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in output
     assert output.count("OMP_NUM_THREADS=1") == 2, output
+
+
+def test_adamw_keeps_two_moments_and_a_step_count_per_parameter():
+    """05 README and walkthrough: "AdamW's state: `exp_avg` and `exp_avg_sq`", 8 bytes per fp32
+    parameter (plus a step count)."""
+    layer = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    layer(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = optimizer.state[layer.weight]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}, set(state)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert state[name].shape == layer.weight.shape and state[name].dtype == torch.float32
+    assert state["step"].numel() == 1
+
+
+def test_fully_shard_leaves_resharding_to_fsdp_and_mixed_precision_off_by_default():
+    """05 README: "Left unset, FSDP2 chooses `True` for every module except the root" (the
+    default is None; lesson 05's tests check what None does), and `MixedPrecisionPolicy()` changes
+    no dtype: mp_policy=None in `shard_model` means no mixed precision."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    policy = MixedPrecisionPolicy()
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (None, None, None)
+
+
+def test_the_collectives_renamed_in_torch_2_13_and_the_old_names_warn():
+    """05 README: "torch 2.13 renamed `all_gather_into_tensor` and `reduce_scatter_tensor` to
+    `all_gather_single` and `reduce_scatter_single` and made the old names warn. torch 2.11 and
+    2.12 have only the old ones"."""
+    renamed = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+    assert hasattr(dist, "all_gather_single") == renamed
+    assert hasattr(dist, "reduce_scatter_single") == renamed
+    if not renamed:
+        return
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.warns(FutureWarning, match="all_gather_single"):
+            dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))
+        with pytest.warns(FutureWarning, match="reduce_scatter_single"):
+            dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2))
+    finally:
+        dist.destroy_process_group()

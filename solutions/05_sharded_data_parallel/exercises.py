@@ -1,0 +1,372 @@
+"""Lesson 05 exercises: sharded data parallel. ZeRO stages 1 to 3 by hand, then FSDP2.
+
+Grade with ``pytest lessons/05_sharded_data_parallel`` (one task: ``-m task5_1``). Each
+function's docstring is its contract: what it takes, what it returns, and what the test checks.
+
+Every sharded piece here uses the same layout, the one ``shard_bounds`` describes: a parameter is
+flattened, thought of as zero-padded to ``world_size * shard_size`` elements, and cut into
+``world_size`` equal pieces; rank r owns piece r. Collectives always move whole padded pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names now warn);
+# torch 2.11 and 2.12 have only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+
+def shard_size(numel: int, world_size: int) -> int:
+    """Elements in each rank's piece of a tensor of ``numel`` elements: ceil(numel / world)."""
+    return -(-numel // world_size)
+
+
+def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(start, end)``: the real elements of ``rank``'s piece of a flattened tensor.
+
+    Every piece has room for ``shard_size(numel, world_size)`` elements; the zero padding that
+    makes ``numel`` divisible falls in the last pieces, which hold fewer real elements, or none
+    (``start == end``) when there are more ranks than elements to share.
+    """
+    size = shard_size(numel, world_size)
+    start = min(rank * size, numel)
+    return start, min(start + size, numel)
+
+
+# --8<-- [start:memory_per_rank]
+def memory_per_rank(num_params: int, world_size: int, stage: int, param_bytes: int = 4,
+                    grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict[str, int]:
+    """Bytes of training state on one rank: stage 0 is DDP, stages 1-3 are ZeRO's.
+
+    ``num_params`` parameters (the paper's Ψ), each stored in ``param_bytes`` bytes, its gradient
+    in ``grad_bytes``, and ``optimizer_bytes`` bytes of optimizer state per parameter (the
+    paper's K: 8 for AdamW's two fp32 moments; 12 under mixed precision, which adds an fp32
+    master copy of each bf16 parameter). Stage 0 keeps everything whole on every rank; stage 1
+    shards the optimizer state across the ``world_size`` ranks, stage 2 the gradients as well,
+    stage 3 the parameters as well. A sharded quantity takes ``ceil(num_params / world_size)``
+    elements on the rank that holds the most (the padding described in ``shard_bounds``).
+
+    Returns ``{"parameters": ..., "gradients": ..., "optimizer_state": ..., "total": ...}``,
+    whole numbers of bytes. A ``stage`` other than 0-3, ``world_size < 1`` or ``num_params < 0``
+    raises ``ValueError``.
+
+    The test checks a table of cases (fp32 and mixed precision, divisible and not) and that the
+    other lesson checks measure these numbers on real ranks.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {sorted(STAGES)} ({STAGES}), not {stage!r}")
+    if world_size < 1 or num_params < 0:
+        raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, "
+                         f"{num_params}")
+    shard = shard_size(num_params, world_size)
+    parameters = (shard if stage >= 3 else num_params) * param_bytes
+    gradients = (shard if stage >= 2 else num_params) * grad_bytes
+    optimizer_state = (shard if stage >= 1 else num_params) * optimizer_bytes
+    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer_state,
+            "total": parameters + gradients + optimizer_state}
+# --8<-- [end:memory_per_rank]
+
+
+# --8<-- [start:Zero1Optimizer]
+class Zero1Optimizer:
+    """ZeRO stage 1: each rank keeps the optimizer state of its shard only.
+
+    ``Zero1Optimizer(params, optimizer_class=torch.optim.AdamW, **defaults)``: for each
+    parameter, this rank's piece (``shard_bounds``) as a view of the parameter's own memory,
+    ``param.detach().view(-1)[start:end]`` (a leaf tensor: stepping it updates the parameter in
+    place), and ``self.optimizer = optimizer_class(those views, **defaults)``. The inner
+    optimizer then keeps state (AdamW: ``exp_avg`` and ``exp_avg_sq``) for 1/W of the elements.
+    Parameters and their gradients stay whole, as in DDP.
+
+    ``step()``, after every rank's ``loss.backward()``:
+
+    1. for each parameter, ``reduce_scatter_single`` its gradient (flattened, zero-padded to
+       ``world_size * shard_size``): this rank receives the sum over all ranks of its own piece.
+       Divide by the world size (the mean, as DDP takes) and set the real elements as the
+       view's ``.grad``;
+    2. ``self.optimizer.step()``: only this rank's piece of each parameter moves. Then set the
+       views' ``.grad`` to ``None``: they are not needed again;
+    3. for each parameter, ``all_gather_single`` every rank's piece (zero-padded to
+       ``shard_size``) into one flat tensor of ``world_size * shard_size`` and copy its first
+       ``numel`` values into the parameter: every rank holds the whole updated model again.
+
+    A parameter without a gradient raises ``RuntimeError`` naming it, before any collective:
+    ``step()`` was called before ``backward()``. ``zero_grad(set_to_none=True)`` clears the
+    parameters' gradients.
+
+    The test trains with it beside DDP on 2, 3 and 4 ranks (AdamW, and SGD, which shows a
+    gradient's scale) and compares the parameters after every step; it measures that each
+    rank's optimizer holds 1/W of the state (to the padding), and counts the bytes
+    reduce-scattered and all-gathered: one model's worth each, what DDP's all-reduce moves.
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, **defaults):
+        self.params = [p for p in params if p.requires_grad]
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.shards = []
+        for param in self.params:
+            start, end = shard_bounds(param.numel(), self.world_size, self.rank)
+            self.shards.append(param.detach().view(-1)[start:end])
+        self.optimizer = optimizer_class(self.shards, **defaults)
+
+    def step(self) -> None:
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:
+            raise RuntimeError(f"Zero1Optimizer.step(): parameter {missing[0]} (shape "
+                               f"{tuple(self.params[missing[0]].shape)}) has no gradient; call "
+                               "loss.backward() on every rank before step()")
+        for param, shard in zip(self.params, self.shards, strict=True):
+            size = shard_size(param.numel(), self.world_size)
+            flat = param.grad.reshape(-1)
+            padded = torch.nn.functional.pad(flat, (0, self.world_size * size - flat.numel()))
+            mine = torch.empty(size, dtype=flat.dtype, device=flat.device)
+            reduce_scatter_single(mine, padded)
+            shard.grad = mine[: shard.numel()] / self.world_size
+        self.optimizer.step()
+        for param, shard in zip(self.params, self.shards, strict=True):
+            shard.grad = None
+            size = shard_size(param.numel(), self.world_size)
+            piece = torch.nn.functional.pad(shard, (0, size - shard.numel()))
+            whole = torch.empty(self.world_size * size, dtype=param.dtype, device=param.device)
+            all_gather_single(whole, piece)
+            with torch.no_grad():
+                param.view(-1).copy_(whole[: param.numel()])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+# --8<-- [end:Zero1Optimizer]
+
+
+# --8<-- [start:Zero2Optimizer]
+class Zero2Optimizer:
+    """ZeRO stage 2: each rank keeps the optimizer state *and the gradients* of its shard only.
+
+    ``Zero2Optimizer(params, optimizer_class=torch.optim.AdamW, **defaults)`` keeps this rank's
+    piece of each parameter as a view and an inner ``self.optimizer`` over the views, exactly as
+    ``Zero1Optimizer`` does. It also registers a hook on each parameter
+    (``param.register_post_accumulate_grad_hook``), which backward calls as soon as that
+    parameter's gradient is complete. The hook:
+
+    1. ``reduce_scatter_single`` the gradient (flattened, zero-padded) so this rank receives the
+       sum of its piece over all ranks; divides by the world size and keeps the real elements
+       as the view's ``.grad``;
+    2. frees the whole gradient at once: ``param.grad = None``.
+
+    So a rank never holds more than one whole gradient (the one being reduced) beside its
+    gradient pieces: gradient memory falls from Ψ to Ψ/W.
+
+    ``step()``: every parameter must have been reduced since the last step, else
+    ``RuntimeError`` naming the first that was not (``step()`` before ``backward()``), raised
+    before any collective. Then, as in ZeRO-1: step the inner optimizer, set the views'
+    ``.grad`` to ``None``, and all-gather the pieces back into the whole parameters.
+    ``zero_grad()`` has nothing left to clear; ``remove()`` removes the hooks.
+
+    The test trains with it beside DDP on 2, 3 and 4 ranks, compares the gradient pieces and the
+    parameters after every step, measures the whole gradients a rank holds at every point of
+    backward, and counts the bytes reduce-scattered and all-gathered.
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, **defaults):
+        self.params = [p for p in params if p.requires_grad]
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.shards = []
+        for param in self.params:
+            start, end = shard_bounds(param.numel(), self.world_size, self.rank)
+            self.shards.append(param.detach().view(-1)[start:end])
+        self.optimizer = optimizer_class(self.shards, **defaults)
+        self.shard_of = {param: shard for param, shard in zip(self.params, self.shards,
+                                                              strict=True)}
+        self.handles = [p.register_post_accumulate_grad_hook(self._reduce_scatter_gradient)
+                        for p in self.params]
+
+    def _reduce_scatter_gradient(self, param: nn.Parameter) -> None:
+        shard = self.shard_of[param]
+        size = shard_size(param.numel(), self.world_size)
+        flat = param.grad.reshape(-1)
+        padded = torch.nn.functional.pad(flat, (0, self.world_size * size - flat.numel()))
+        mine = torch.empty(size, dtype=flat.dtype, device=flat.device)
+        reduce_scatter_single(mine, padded)
+        shard.grad = mine[: shard.numel()] / self.world_size
+        param.grad = None  # the whole gradient is not needed again: free it now
+
+    def step(self) -> None:
+        missing = [i for i, shard in enumerate(self.shards) if shard.grad is None]
+        if missing:
+            raise RuntimeError(f"Zero2Optimizer.step(): parameter {missing[0]} (shape "
+                               f"{tuple(self.params[missing[0]].shape)}) has no reduced "
+                               "gradient; call loss.backward() on every rank before step()")
+        self.optimizer.step()
+        for param, shard in zip(self.params, self.shards, strict=True):
+            shard.grad = None
+            size = shard_size(param.numel(), self.world_size)
+            piece = torch.nn.functional.pad(shard, (0, size - shard.numel()))
+            whole = torch.empty(self.world_size * size, dtype=param.dtype, device=param.device)
+            all_gather_single(whole, piece)
+            with torch.no_grad():
+                param.view(-1).copy_(whole[: param.numel()])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+# --8<-- [end:Zero2Optimizer]
+
+
+# --8<-- [start:shard_model]
+def shard_model(model: nn.Module, reshard_after_forward: bool = True, mp_policy=None):
+    """FSDP2 on the running example: ``fully_shard`` every block, then the root; return it.
+
+    ``model`` is a ``gpt.GPT`` (its blocks in ``model.blocks``), the same on every rank.
+
+    1. Check that it is the same on every rank: the names and shapes of its parameters,
+       compared with ``dist.all_gather_object``. A rank holding another model would post other
+       collectives and hang; raise ``ValueError`` naming the first rank that differs from rank 0
+       and the first parameter where it differs.
+    2. A mesh over all ranks: ``init_device_mesh(<the parameters' device type>, (world_size,))``.
+    3. ``fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+       mp_policy=mp_policy)`` for each block, first: each becomes one group of parameters,
+       all-gathered just before its forward, and, with ``reshard_after_forward=True``, freed
+       after it and gathered again before its backward; its gradients are reduce-scattered as
+       soon as its backward is done.
+    4. ``fully_shard(model, mesh=mesh, mp_policy=mp_policy)`` last: the root's group holds what
+       is left (embeddings, final norm, head). Leave its ``reshard_after_forward`` to FSDP,
+       which keeps the root unsharded after forward (backward starts with it).
+
+    ``mp_policy=None`` means ``MixedPrecisionPolicy()`` (no mixed precision). Build the
+    optimizer afterwards, on ``model.parameters()``: they are now DTensors holding this rank's
+    shard.
+
+    The test trains it beside DDP on 2, 3 and 4 ranks; counts the all-gathers of a step (the
+    root once, each block once or twice); measures the unsharded parameters a rank holds at the
+    end of the forward with ``reshard_after_forward`` True and False; and gives one rank a
+    different model.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, shapes)
+    for rank, theirs in enumerate(every_rank):
+        if theirs != every_rank[0]:
+            first = next((f"{a} vs {b}" for a, b in zip(every_rank[0], theirs, strict=False)
+                          if a != b), f"{len(every_rank[0])} vs {len(theirs)} parameters")
+            raise ValueError(f"rank {rank} holds another model than rank 0 ({first}); every "
+                             "rank must build the same model before sharding it")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
+# --8<-- [end:shard_model]
+
+
+# --8<-- [start:AllGatherShard]
+class AllGatherShard(torch.autograd.Function):
+    """One parameter, whole, from every rank's piece; its gradient goes back as pieces.
+
+    ``AllGatherShard.apply(shard, shape)``: ``shard`` is this rank's padded piece (a 1-D tensor
+    of ``shard_size(numel, world_size)`` elements, ``numel`` the product of ``shape``).
+
+    - forward: ``all_gather_single`` the pieces into a flat tensor of ``world_size`` pieces;
+      return its first ``numel`` elements viewed as ``shape``;
+    - backward: the gradient of the whole parameter, flattened and zero-padded, goes through
+      ``reduce_scatter_single``: this rank receives the sum of its piece over all ranks. Divide
+      by the world size (the mean, as DDP) and return it as the gradient of ``shard``
+      (``None`` for ``shape``).
+
+    The test checks forward and backward on 2, 3 and 4 ranks, with shapes that do not divide.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, shape) -> torch.Tensor:
+        world_size = dist.get_world_size()
+        whole = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+        all_gather_single(whole, shard.contiguous())
+        ctx.shape, ctx.size = tuple(shape), shard.numel()
+        return whole[: torch.Size(shape).numel()].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        world_size = dist.get_world_size()
+        flat = grad.reshape(-1)
+        padded = torch.nn.functional.pad(flat, (0, world_size * ctx.size - flat.numel()))
+        mine = torch.empty(ctx.size, dtype=grad.dtype, device=grad.device)
+        reduce_scatter_single(mine, padded)
+        return mine / world_size, None
+# --8<-- [end:AllGatherShard]
+
+
+# --8<-- [start:Zero3Blocks]
+class Zero3Blocks(nn.Module):
+    """ZeRO stage 3 by hand for a stack of blocks: parameters sharded too.
+
+    ``Zero3Blocks(blocks)`` takes an ``nn.ModuleList`` of blocks, the same on every rank, and
+    keeps for each of their parameters, in the order of ``blocks.named_parameters()``, only
+    this rank's padded piece of its flattened values (``shard_bounds``, zero-padded to
+    ``shard_size`` elements) as an ``nn.Parameter`` in ``self.shards`` (an
+    ``nn.ParameterList``). The blocks keep their structure but give up their memory:
+    ``self.blocks = blocks.to("meta")``. An optimizer built on ``.parameters()`` then steps
+    the pieces only: its state is sharded with them.
+
+    ``forward(x)`` runs the blocks in order. For each block: gather each of its parameters
+    whole with ``AllGatherShard.apply(piece, shape)``, run the block on them with
+    ``torch.func.functional_call(block, {name: whole, ...}, (x,))``, and let them go. To free
+    the whole parameters after the block's forward and gather them again for its backward, run
+    that gather-and-forward under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
+    autograd then keeps only the block's input, and backward re-runs the function, all-gathering
+    again, before it computes the block's gradients (the re-run recomputes the block's
+    activations too: that is activation checkpointing, a memory saving of its own).
+
+    The test trains it beside DDP on 2, 3 and 4 ranks: gradient pieces after the first
+    backward, parameters after several AdamW steps; it checks that no all-gathered parameter
+    is still held once the forward is over, counts the all-gathers (two per parameter per
+    step) and reduce-scatters (one), and measures the bytes each rank holds.
+    """
+
+    def __init__(self, blocks: nn.ModuleList):
+        super().__init__()
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        self.names = [[name for name, _ in block.named_parameters()] for block in blocks]
+        self.shapes = [[tuple(p.shape) for p in block.parameters()] for block in blocks]
+        pieces = []
+        for param in blocks.parameters():
+            start, end = shard_bounds(param.numel(), world_size, rank)
+            piece = torch.zeros(shard_size(param.numel(), world_size), dtype=param.dtype,
+                                device=param.device)  # a copy: the whole parameter can go
+            piece[: end - start] = param.detach().reshape(-1)[start:end]
+            pieces.append(nn.Parameter(piece))
+        self.shards = nn.ParameterList(pieces)
+        self.blocks = blocks.to("meta")
+
+    def _gather_and_run(self, index: int, x: torch.Tensor, *pieces: torch.Tensor):
+        whole = {name: AllGatherShard.apply(piece, shape) for name, shape, piece
+                 in zip(self.names[index], self.shapes[index], pieces, strict=True)}
+        return torch.func.functional_call(self.blocks[index], whole, (x,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = 0
+        for index in range(len(self.blocks)):
+            count = len(self.names[index])
+            pieces = list(self.shards)[first:first + count]
+            first += count
+            x = torch.utils.checkpoint.checkpoint(self._gather_and_run, index, x, *pieces,
+                                                  use_reentrant=False)
+        return x
+# --8<-- [end:Zero3Blocks]
