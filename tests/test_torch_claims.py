@@ -181,3 +181,33 @@ def test_the_collectives_renamed_in_torch_2_13_and_the_old_names_warn():
             dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2))
     finally:
         dist.destroy_process_group()
+
+
+def test_ddp_buckets_are_another_copy_of_the_gradients_unless_the_gradients_are_views():
+    """05 README: "DDP also all-reduces through buckets of its own, another copy of the
+    gradients, unless you pass `gradient_as_bucket_view=True`, which makes the gradients views
+    into the buckets; its documentation says so"."""
+    parameter = inspect.signature(DDP).parameters["gradient_as_bucket_view"]
+    assert parameter.default is False
+    documented = " ".join(inspect.getdoc(DDP).split())
+    assert ("gradients will be views pointing to different offsets of ``allreduce`` "
+            "communication buckets") in documented, "DDP's documentation changed its words"
+    assert "saved memory size will be equal to the total gradients size" in documented
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        storages = {}
+        for as_view in (False, True):
+            model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                        gradient_as_bucket_view=as_view)
+            for _ in range(2):  # "gradients will be views after first iteration"
+                model(torch.randn(3, 4)).sum().backward()
+            storages[as_view] = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+            del model
+            gc.collect()  # DDP holds the group through reference cycles
+        assert len(storages[False]) == 4, "one gradient tensor per parameter"
+        assert len(storages[True]) < 4, "the gradients share the buckets' memory"
+    finally:
+        dist.destroy_process_group()

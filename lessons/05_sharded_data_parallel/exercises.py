@@ -79,7 +79,7 @@ class Zero1Optimizer:
     1. for each parameter, ``reduce_scatter_single`` its gradient (flattened, zero-padded to
        ``world_size * shard_size``): this rank receives the sum over all ranks of its own piece.
        Divide by the world size (the mean, as DDP takes) and set the real elements as the
-       view's ``.grad``;
+       view's ``.grad``; the whole gradient is not needed again: ``param.grad = None``;
     2. ``self.optimizer.step()``: only this rank's piece of each parameter moves. Then set the
        views' ``.grad`` to ``None``: they are not needed again;
     3. for each parameter, ``all_gather_single`` every rank's piece (zero-padded to
@@ -88,7 +88,8 @@ class Zero1Optimizer:
 
     A parameter without a gradient raises ``RuntimeError`` naming it, before any collective:
     ``step()`` was called before ``backward()``. ``zero_grad(set_to_none=True)`` clears the
-    parameters' gradients.
+    parameters' gradients (a training loop calls it before each backward, as with any
+    optimizer).
 
     The test trains with it beside DDP on 2, 3 and 4 ranks (AdamW, and SGD, which shows a
     gradient's scale) and compares the parameters after every step; it measures that each

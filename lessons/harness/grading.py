@@ -128,7 +128,9 @@ class ProgressReport:
         graded = "solutions/" if solutions_mode() else "your files in lessons/"
         terminalreporter.section(f"course progress (grading {graded})", sep="=")
         unfinished: list[tuple[str, str, str]] = []  # (lesson, task, status), in course order
-        for lesson in sorted(set(self.tasks) | set(self.checks)):
+        lessons = sorted(set(self.tasks) | set(self.checks))
+        width = max(21, *(len(lesson) + 2 for lesson in lessons))  # a column for the names
+        for lesson in lessons:
             by_status: dict[str, list[str]] = defaultdict(list)
             for task in sorted(self.tasks[lesson], key=_task_order):
                 status = _task_status(self.tasks[lesson][task])
@@ -147,7 +149,7 @@ class ProgressReport:
             if self.checks[lesson]:
                 counts = ", ".join(f"{n} {k}" for k, n in sorted(self.checks[lesson].items()))
                 parts.append(f"lesson checks: {counts}")
-            write(f"{lesson:<20} " + "; ".join(parts))
+            write(f"{lesson:<{width}}" + "; ".join(parts))
         if unfinished:
             lesson, task, status = min(unfinished, key=lambda u: _task_order(u[1]))
             what = "fails" if status == "failed" else "is not attempted yet"
