@@ -5,8 +5,8 @@
 Runs, one after the other, ``pytest lessons/NN`` in learner mode for each lesson and the whole
 course's ``pytest --solutions``, and prints the wall-clock seconds of each next to its target
 (lesson 03, real torchrun launches included: 20 s; lesson 05: 25 s; ``pytest --solutions``:
-90 s; on the course's 2-core CPU machine). Run it on a quiet machine: these are measurements, not tests, and other work
-on the machine slows every number.
+90 s; on the course's 2-core CPU machine). Run it on a quiet machine: these are measurements,
+not tests, and other work on the machine slows every number.
 """
 
 from __future__ import annotations
