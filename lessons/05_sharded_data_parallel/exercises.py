@@ -63,6 +63,38 @@ def memory_per_rank(num_params: int, world_size: int, stage: int, param_bytes: i
 # --8<-- [end:memory_per_rank]
 
 
+# --8<-- [start:reduce_scatter_mean]
+def reduce_scatter_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of the mean of ``tensor`` over all ranks: the first collective of ZeRO.
+
+    ``tensor`` (any shape; the same shape on every rank, different values) is flattened and
+    zero-padded to ``world_size * shard_size(numel, world_size)`` elements;
+    ``reduce_scatter_single`` gives this rank the sum over all ranks of its piece, and dividing
+    by the world size makes it the mean, as DDP takes it. Returns a 1-D tensor of ``shard_size``
+    elements: the whole piece, padding included (``shard_bounds`` tells which are real).
+
+    The test checks it on 2, 3 and 4 ranks with shapes that do not divide, against the mean of
+    every rank's tensor, and counts one reduce-scatter of the padded size.
+    """
+    raise NotImplementedError("task5_2: pad, reduce-scatter, divide by the world size")
+# --8<-- [end:reduce_scatter_mean]
+
+
+# --8<-- [start:all_gather_pieces]
+def all_gather_pieces(piece: torch.Tensor, numel: int) -> torch.Tensor:
+    """The whole flat tensor of ``numel`` elements, from every rank's piece: ZeRO's second.
+
+    ``piece`` is this rank's 1-D piece: its real elements (``shard_bounds``), or the whole
+    padded piece of ``shard_size(numel, world_size)`` elements. Zero-pad it to that size,
+    ``all_gather_single`` every rank's piece, in rank order, into one tensor of
+    ``world_size * shard_size`` elements, and return its first ``numel``.
+
+    The test checks it on 2, 3 and 4 ranks, pieces short or padded, and counts one all-gather.
+    """
+    raise NotImplementedError("task5_2: pad the piece, all-gather, keep numel elements")
+# --8<-- [end:all_gather_pieces]
+
+
 # --8<-- [start:Zero1Optimizer]
 class Zero1Optimizer:
     """ZeRO stage 1: each rank keeps the optimizer state of its shard only.
@@ -76,15 +108,13 @@ class Zero1Optimizer:
 
     ``step()``, after every rank's ``loss.backward()``:
 
-    1. for each parameter, ``reduce_scatter_single`` its gradient (flattened, zero-padded to
-       ``world_size * shard_size``): this rank receives the sum over all ranks of its own piece.
-       Divide by the world size (the mean, as DDP takes) and set the real elements as the
-       view's ``.grad``; the whole gradient is not needed again: ``param.grad = None``;
+    1. for each parameter, ``reduce_scatter_mean`` its gradient and give the real elements of
+       this rank's piece to the view as its ``.grad``; the whole gradient is not needed again:
+       ``param.grad = None``;
     2. ``self.optimizer.step()``: only this rank's piece of each parameter moves. Then set the
        views' ``.grad`` to ``None``: they are not needed again;
-    3. for each parameter, ``all_gather_single`` every rank's piece (zero-padded to
-       ``shard_size``) into one flat tensor of ``world_size * shard_size`` and copy its first
-       ``numel`` values into the parameter: every rank holds the whole updated model again.
+    3. for each parameter, ``all_gather_pieces`` the updated views and copy the whole into the
+       parameter: every rank holds the whole updated model again.
 
     A parameter without a gradient raises ``RuntimeError`` naming it, before any collective:
     ``step()`` was called before ``backward()``. ``zero_grad(set_to_none=True)`` clears the
@@ -118,9 +148,8 @@ class Zero2Optimizer:
     (``param.register_post_accumulate_grad_hook``), which backward calls as soon as that
     parameter's gradient is complete. The hook:
 
-    1. ``reduce_scatter_single`` the gradient (flattened, zero-padded) so this rank receives the
-       sum of its piece over all ranks; divides by the world size and keeps the real elements
-       as the view's ``.grad``;
+    1. ``reduce_scatter_mean`` the gradient and keep the real elements of this rank's piece as
+       the view's ``.grad``;
     2. frees the whole gradient at once: ``param.grad = None``.
 
     So a rank never holds more than one whole gradient (the one being reduced) beside its
@@ -194,12 +223,9 @@ class AllGatherShard(torch.autograd.Function):
     ``AllGatherShard.apply(shard, shape)``: ``shard`` is this rank's padded piece (a 1-D tensor
     of ``shard_size(numel, world_size)`` elements, ``numel`` the product of ``shape``).
 
-    - forward: ``all_gather_single`` the pieces into a flat tensor of ``world_size`` pieces;
-      return its first ``numel`` elements viewed as ``shape``;
-    - backward: the gradient of the whole parameter, flattened and zero-padded, goes through
-      ``reduce_scatter_single``: this rank receives the sum of its piece over all ranks. Divide
-      by the world size (the mean, as DDP) and return it as the gradient of ``shard``
-      (``None`` for ``shape``).
+    - forward: ``all_gather_pieces`` the whole parameter, viewed as ``shape``;
+    - backward: ``reduce_scatter_mean`` the whole parameter's gradient: this rank's piece of the
+      mean over all ranks is the gradient of ``shard`` (``None`` for ``shape``).
 
     The test checks forward and backward on 2, 3 and 4 ranks, with shapes that do not divide.
     """
@@ -210,7 +236,7 @@ class AllGatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        raise NotImplementedError("task5_5: reduce-scatter the gradient, divide by world size")
+        raise NotImplementedError("task5_5: reduce-scatter the gradient into this rank's piece")
 # --8<-- [end:AllGatherShard]
 
 

@@ -88,7 +88,9 @@ COURSE: tuple[Lesson, ...] = (
                    "08_module_forward", "09_checkpoints", "10_no_sync", "11_sum_loss",
                    "12_random_state", "13_batchnorm", "14_notebooks", "15_print_once"))),
     Lesson("05_sharded_data_parallel", "Sharded data parallel: ZeRO and FSDP2",
-           {"task5_1": "memory_per_rank", "task5_2": "Zero1Optimizer", "task5_3": "Zero2Optimizer",
+           {"task5_1": "memory_per_rank",
+            "task5_2": "reduce_scatter_mean, all_gather_pieces, Zero1Optimizer",
+            "task5_3": "Zero2Optimizer",
             "task5_4": "shard_model", "task5_5": "AllGatherShard, Zero3Blocks"},
            (Script("train_fsdp.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py"),)),
 )

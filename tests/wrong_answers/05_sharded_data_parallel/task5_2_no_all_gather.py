@@ -10,12 +10,8 @@ class Zero1Optimizer:
             if param.grad is None:
                 raise RuntimeError("step() before backward()")
         for param, shard in zip(self.params, self.shards, strict=True):
-            size = shard_size(param.numel(), self.world_size)
-            flat = param.grad.reshape(-1)
-            padded = torch.nn.functional.pad(flat, (0, self.world_size * size - flat.numel()))
-            mine = torch.empty(size, dtype=flat.dtype, device=flat.device)
-            reduce_scatter_single(mine, padded)
-            shard.grad = mine[: shard.numel()] / self.world_size
+            shard.grad = reduce_scatter_mean(param.grad)[: shard.numel()]
+            param.grad = None
         self.optimizer.step()
         for shard in self.shards:
             shard.grad = None

@@ -10,5 +10,6 @@ class AllGatherShard:
         world_size, rank = dist.get_world_size(), dist.get_rank()
         flat = grad.reshape(-1).clone()
         dist.all_reduce(flat)
-        padded = torch.nn.functional.pad(flat, (0, world_size * ctx.size - flat.numel()))
-        return padded[rank * ctx.size:(rank + 1) * ctx.size] / world_size, None
+        size = shard_size(flat.numel(), world_size)
+        padded = torch.nn.functional.pad(flat, (0, world_size * size - flat.numel()))
+        return padded[rank * size:(rank + 1) * size] / world_size, None
