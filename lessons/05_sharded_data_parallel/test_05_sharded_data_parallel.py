@@ -274,6 +274,11 @@ def test_memory_per_rank_rejects_what_is_not_a_setup(ex, arguments):
         got = ex.memory_per_rank(**arguments)
     except ValueError:
         return
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the wrong kind of error is the finding
+        raise AssertionError(f"memory_per_rank({arguments}) raised {type(error).__name__}: "
+                             f"{error}; check the arguments first and raise ValueError") from None
     raise AssertionError(f"memory_per_rank({arguments}) returned {got}: raise ValueError, "
                          f"there are stages 0 to 3 and at least one rank")
 
@@ -1149,20 +1154,24 @@ def fsdp_placements_and_dtypes(ctx):
     seen = {}
     model.blocks[0].mlp.up_proj.register_forward_pre_hook(
         lambda module, args: seen.update(forward=module.weight.dtype))
-    model(*my_share(ctx, 0))[1].backward()
+    with CollectiveLog() as log:
+        model(*my_share(ctx, 0))[1].backward()
     weight = model.tok_emb.weight
     return {"shard_0": tuple(weight.placements) == (Shard(0),), "rows": weight.to_local().shape[0],
             "shard_dtypes": {p.to_local().dtype for p in model.parameters()},
             "grad_dtypes": {p.grad.to_local().dtype for p in model.parameters()},
-            "forward_dtype": seen["forward"]}
+            "forward_dtype": seen["forward"],
+            "gathered": {call.dtype for call in log.of("all_gather")},
+            "reduced": {call.dtype for call in log.of("reduce_scatter")}}
 
 
 @pytest.mark.parametrize("group", [case for case in FSDP_GROUPS
                                    if case.id in ("gloo-cpu-2", "nccl-cuda-1")])
 def test_fully_shard_cuts_dim_0_and_keeps_fp32_shards_under_a_bf16_policy(group):
     """The text: parameters become DTensors with placement Shard(0); with
-    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the forward computes on bf16
-    gathered parameters while the shards (the master copy) and their gradients stay fp32."""
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the all-gathers move bf16, the
+    forward computes on bf16 gathered parameters, the reduce-scatters move fp32, and the shards
+    (the master copy) and their gradients stay fp32."""
     world, backend, device = group
     results = run_on_ranks(fsdp_placements_and_dtypes, world_size=world, backend=backend,
                            device=device)
@@ -1173,6 +1182,8 @@ def test_fully_shard_cuts_dim_0_and_keeps_fp32_shards_under_a_bf16_policy(group)
         assert result["shard_dtypes"] == {torch.float32}, (rank, result)
         assert result["grad_dtypes"] == {torch.float32}, (rank, result)
         assert result["forward_dtype"] == torch.bfloat16, (rank, result)
+        assert result["gathered"] == {torch.bfloat16}, (rank, result)
+        assert result["reduced"] == {torch.float32}, (rank, result)
 
 
 def shard_the_root_first(ctx):
