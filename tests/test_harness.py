@@ -434,6 +434,8 @@ def test_held_bytes_counts_each_storage_once_with_gradients_and_hooks():
     assert held_bytes(layer) == 2 * 4 * 110 + 4 * 7, "a hook's closure holds its tensors"
     paths = {held.path for held in held_tensors(holder).values()}
     assert any("extra" in path for path in paths), paths
+    layer.weight.kept = torch.zeros(9)  # a tensor hidden on a parameter still counts
+    assert held_bytes(layer) == 2 * 4 * 110 + 4 * 7 + 4 * 9
 
 
 def test_held_bytes_sees_freed_storage_and_meta_tensors_as_nothing():

@@ -116,10 +116,10 @@ class Zero1Optimizer:
     3. for each parameter, ``all_gather_pieces`` the updated views and copy the whole into the
        parameter: every rank holds the whole updated model again.
 
-    A parameter without a gradient raises ``RuntimeError`` naming it, before any collective:
-    ``step()`` was called before ``backward()``. ``zero_grad(set_to_none=True)`` clears the
-    parameters' gradients (a training loop calls it before each backward, as with any
-    optimizer).
+    A parameter without a gradient raises ``RuntimeError`` naming it (its index and shape),
+    before any collective: ``step()`` was called before ``backward()``.
+    ``zero_grad(set_to_none=True)`` clears the parameters' gradients (a training loop calls it
+    before each backward, as with any optimizer).
 
     The test trains with it beside DDP on 2, 3 and 4 ranks (AdamW, and SGD, which shows a
     gradient's scale) and compares the parameters after every step; it measures that each
@@ -156,10 +156,11 @@ class Zero2Optimizer:
     gradient pieces: gradient memory falls from Ψ to Ψ/W.
 
     ``step()``: every parameter must have been reduced since the last step, else
-    ``RuntimeError`` naming the first that was not (``step()`` before ``backward()``), raised
-    before any collective. Then, as in ZeRO-1: step the inner optimizer, set the views'
-    ``.grad`` to ``None``, and all-gather the pieces back into the whole parameters.
-    ``zero_grad()`` has nothing left to clear; ``remove()`` removes the hooks.
+    ``RuntimeError`` naming the first that was not (its index and shape: ``step()`` before
+    ``backward()``), raised before any collective. Then, as in ZeRO-1: step the inner optimizer,
+    set the views' ``.grad`` to ``None``, and all-gather the pieces back into the whole
+    parameters. ``zero_grad()`` clears the parameters' gradients, as any optimizer's does (after
+    a backward the hooks have cleared them already); ``remove()`` removes the hooks.
 
     The test trains with it beside DDP on 2, 3 and 4 ranks, compares the gradient pieces and the
     parameters after every step, measures the whole gradients a rank holds at every point of
@@ -195,22 +196,22 @@ def shard_model(model: nn.Module, reshard_after_forward: bool = True, mp_policy=
        and the first parameter where it differs.
     2. A mesh over all ranks: ``init_device_mesh(<the parameters' device type>, (world_size,))``.
     3. ``fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-       mp_policy=mp_policy)`` for each block, first: each becomes one group of parameters,
-       all-gathered just before its forward, and, with ``reshard_after_forward=True``, freed
-       after it and gathered again before its backward; its gradients are reduce-scattered as
-       soon as its backward is done.
-    4. ``fully_shard(model, mesh=mesh, mp_policy=mp_policy)`` last: the root's group holds what
-       is left (embeddings, final norm, head). Leave its ``reshard_after_forward`` to FSDP,
-       which keeps the root unsharded after forward (backward starts with it).
+       mp_policy=policy)`` for each block, first, with ``policy`` the ``mp_policy`` given, or
+       ``MixedPrecisionPolicy()`` (no mixed precision) when it is ``None``. Each block becomes
+       one group of parameters, all-gathered just before its forward, and, with
+       ``reshard_after_forward=True``, freed after it and gathered again before its backward;
+       its gradients are reduce-scattered as soon as its backward is done.
+    4. ``fully_shard(model, mesh=mesh, mp_policy=policy)`` last: the root's group holds what is
+       left (embeddings, final norm, head). Leave its ``reshard_after_forward`` to FSDP, which
+       keeps the root unsharded after forward (backward starts with it).
 
-    ``mp_policy=None`` means ``MixedPrecisionPolicy()`` (no mixed precision). Build the
-    optimizer afterwards, on ``model.parameters()``: they are now DTensors holding this rank's
-    shard.
+    Build the optimizer afterwards, on ``model.parameters()``: they are now DTensors holding
+    this rank's shard.
 
     The test trains it beside DDP on 2, 3 and 4 ranks; counts the all-gathers of a step (the
-    root once, each block once or twice); measures the unsharded parameters a rank holds at the
-    end of the forward with ``reshard_after_forward`` True and False; and gives one rank a
-    different model.
+    root once, each block once or twice) and their bytes; measures the unsharded parameters a
+    rank holds at the end of the forward with ``reshard_after_forward`` True and False; and
+    gives one rank a model with another block, then one wider.
     """
     raise NotImplementedError("task5_4: same model everywhere? fully_shard each block, then root")
 # --8<-- [end:shard_model]

@@ -273,7 +273,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="CPU threads (default 1: the tiny model's matrices are too small "
                              "to share out)")
-    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16: FSDP's policy, autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                         default=True, help="free each block's gathered parameters after its "

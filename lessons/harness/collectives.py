@@ -10,8 +10,8 @@
 
 The *payload* of a collective is the size of the one tensor it is about: an all-reduce's tensor,
 an all-gather's output (the gathered whole), a reduce-scatter's input (the whole before
-scattering), a broadcast's tensor. What a rank *sends* depends on the algorithm; with the ring
-algorithm NCCL and gloo use for large tensors, on W ranks:
+scattering), a broadcast's tensor. What a rank *sends* depends on the algorithm; in a ring (the
+classic algorithm for large tensors, and one of NCCL's), on W ranks:
 
 - reduce-scatter and all-gather: each rank sends (W - 1) / W of the payload;
 - all-reduce (a reduce-scatter, then an all-gather): 2 (W - 1) / W of it;
@@ -22,8 +22,10 @@ Every name of a collective is wrapped: in ``torch.distributed`` and in ``distrib
 (where the functions live and call one another), and every attribute of the modules passed in
 that refers to one. A collective called from inside another (``all_gather_into_tensor``, which
 forwards to ``all_gather_single``, or an object collective's own tensor collectives) counts once,
-as the outer one. Collectives started from C++ (DDP's gradient buckets) are not seen: count
-those with a DDP communication hook.
+as the outer one. Not seen: collectives started from C++ (DDP's gradient buckets: count those
+with a DDP communication hook), the functional collectives of
+``torch.distributed._functional_collectives``, point-to-point and coalesced calls, and
+``async_op`` passed by position rather than by name.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ state), so the checks ask what a model, an optimizer or a sharded wrapper holds:
     held_bytes(optimizer, exclude=[model])  # what the optimizer holds beyond the model
     held_tensors(model)                     # the same, one entry per storage, with a path to it
 
-Every storage is counted once (a view shares its base's), a tensor's ``.grad`` and a DTensor's
-local shard included. A storage resized to nothing (how FSDP frees an unsharded parameter)
-counts 0, and a meta tensor has no memory at all.
+Every storage is counted once (a view shares its base's), a tensor's ``.grad``, whatever was
+set on a tensor as an attribute, and a DTensor's local shard included. A storage resized to
+nothing (how FSDP frees an unsharded parameter) counts 0, and a meta tensor has no memory.
 
 The walk follows attributes, containers, hooks and closures, but not module globals, classes or
 a function's globals: it counts what the object holds, not what the program holds. Tensors that
@@ -84,8 +84,8 @@ def _walk(roots, prefix: str) -> dict[tuple, Held]:
                     found[key] = Held(storage.nbytes(), path)
             if obj.is_leaf and obj.grad is not None:  # .grad of a non-leaf warns
                 stack.append((obj.grad, f"{path}.grad"))
-            if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
-                stack.extend((r, f"{path}.?") for r in gc.get_referents(obj))  # subclasses
+            # What was set on the tensor itself: a tensor kept on a parameter, its hooks.
+            stack.extend((value, f"{path}.{name}") for name, value in vars(obj).items())
             continue
         if isinstance(obj, types.FunctionType):  # a hook or closure: its cells, not its globals
             cells = [cell.cell_contents for cell in obj.__closure__ or ()

@@ -1,7 +1,7 @@
 """Shards without comparing the ranks' models: a rank with another model hangs training later."""
 
 TASK = "task5_4"
-EXPECT = r"shard_model returned although rank 1 built a model with 3 blocks"
+EXPECT = r"shard_model returned although rank 1.s model differs from rank 0.s \(one more block"
 
 
 def shard_model(model, reshard_after_forward=True, mp_policy=None):
