@@ -56,8 +56,9 @@ def memory_per_rank(num_params: int, world_size: int, stage: int, param_bytes: i
     whole numbers of bytes. A ``stage`` other than 0-3, ``world_size < 1`` or ``num_params < 0``
     raises ``ValueError``.
 
-    The test checks a table of cases (fp32 and mixed precision, divisible and not) and that the
-    other lesson checks measure these numbers on real ranks.
+    The test checks a table of cases (fp32 and mixed precision, divisible and not, the ZeRO
+    paper's figure) and bad input; the lesson's other checks measure the same formula on real
+    ranks.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)} ({STAGES}), not {stage!r}")
@@ -205,9 +206,9 @@ class Zero2Optimizer:
     parameters. ``zero_grad()`` clears the parameters' gradients, as any optimizer's does (after
     a backward the hooks have cleared them already); ``remove()`` removes the hooks.
 
-    The test trains with it beside DDP on 2, 3 and 4 ranks, compares the gradient pieces and the
-    parameters after every step, measures the whole gradients a rank holds at every point of
-    backward, and counts the bytes reduce-scattered and all-gathered.
+    The test trains with it beside DDP on 2, 3 and 4 ranks, compares the parameters after every
+    step (and the first step's updates, with SGD too), measures the whole gradients a rank holds
+    at every point of backward, and counts the bytes reduce-scattered and all-gathered.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, **defaults):
