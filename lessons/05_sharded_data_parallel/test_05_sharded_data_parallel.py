@@ -436,10 +436,12 @@ def train_beside_ddp(ctx, method: str, optimizer: str, steps: int, model_name: s
         sharded = build_hand_zero(ex, method, model, optimizer)
     whole_grads_peak = [0]
 
-    def note_whole_gradients(_):  # runs after the method's own hook on the same parameter
-        held = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+    def whole_gradient_bytes() -> int:  # FSDP's gradients are DTensor shards, not whole
+        return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                    if p.grad is not None and not hasattr(p.grad, "to_local"))
-        whole_grads_peak[0] = max(whole_grads_peak[0], held)
+
+    def note_whole_gradients(_):  # runs after the method's own hook on the same parameter
+        whole_grads_peak[0] = max(whole_grads_peak[0], whole_gradient_bytes())
 
     hooks = [p.register_post_accumulate_grad_hook(note_whole_gradients)
              for p in model.parameters()] if method != "fsdp" else []
@@ -457,9 +459,7 @@ def train_beside_ddp(ctx, method: str, optimizer: str, steps: int, model_name: s
                 if step == 1:
                     result["held"] = held_bytes(model, sharded)
                     result["optimizer_held"] = held_bytes(sharded, exclude=[model])
-                    result["whole_grads_after_backward"] = sum(
-                        p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                        if p.grad is not None and not hasattr(p.grad, "to_local"))
+                    result["whole_grads_after_backward"] = whole_gradient_bytes()
                 sharded.step()
             if step == 0:
                 result["log"] = {"summary": log.summary(), "calls": [
@@ -577,16 +577,6 @@ def test_zero1_trains_like_ddp_and_shards_the_optimizer_state(ex, group):
                            {"reduce_scatter": 4 * padded, "all_gather": 4 * padded})
 
 
-@pytest.mark.task5_2
-@pytest.mark.parametrize("world", [2, 3])
-def test_zero1_keeps_the_gradient_scale_of_ddp(ex, world):
-    """SGD steps by the gradient itself: an update W times DDP's means a missing division."""
-    raise_if_untouched(ex.Zero1Optimizer.__init__)  # a stub: not attempted, without starting ranks
-    results = run_on_ranks(train_beside_ddp, "zero1", "sgd", 1, world_size=world)
-    for rank, result in enumerate(results):
-        assert_same_as_ddp(result, rank, world, "ZeRO-1 (SGD)")
-
-
 def step_before_backward(ctx, method: str):
     """What ``step()`` does before any backward: ("RuntimeError", message, collectives called
     before it raised), another exception's name and message, or None when it returned."""
@@ -624,14 +614,6 @@ def assert_step_before_backward_refused(outcomes: list, name: str) -> None:
             f"waiting in it")
 
 
-@pytest.mark.task5_2
-def test_zero1_step_before_backward_is_a_clear_error(ex):
-    raise_if_untouched(ex.Zero1Optimizer.step)  # a stub: not attempted, without starting ranks
-    outcomes = run_on_ranks(step_before_backward, "zero1", world_size=2, timeout=20,
-                            pg_timeout=5.0)
-    assert_step_before_backward_refused(outcomes, "Zero1Optimizer")
-
-
 @pytest.mark.task5_3
 @pytest.mark.parametrize("group", GROUPS)
 def test_zero2_trains_like_ddp_and_shards_the_gradients(ex, group):
@@ -660,21 +642,27 @@ def test_zero2_trains_like_ddp_and_shards_the_gradients(ex, group):
                            {"reduce_scatter": 4 * padded, "all_gather": 4 * padded})
 
 
-@pytest.mark.task5_3
+# What ZeRO-1 and ZeRO-2 must both get right beyond their trajectories.
+HAND_ZERO = [pytest.param("zero1", "Zero1Optimizer", marks=pytest.mark.task5_2, id="zero1"),
+             pytest.param("zero2", "Zero2Optimizer", marks=pytest.mark.task5_3, id="zero2")]
+
+
+@pytest.mark.parametrize("method,graded", HAND_ZERO)
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero2_keeps_the_gradient_scale_of_ddp(ex, world):
-    raise_if_untouched(ex.Zero2Optimizer.__init__)  # a stub: not attempted, without starting ranks
-    results = run_on_ranks(train_beside_ddp, "zero2", "sgd", 1, world_size=world)
+def test_hand_zero_keeps_the_gradient_scale_of_ddp(ex, method, graded, world):
+    """SGD steps by the gradient itself: an update W times DDP's means a missing division."""
+    raise_if_untouched(getattr(ex, graded).__init__)  # a stub: not attempted, without ranks
+    results = run_on_ranks(train_beside_ddp, method, "sgd", 1, world_size=world)
     for rank, result in enumerate(results):
-        assert_same_as_ddp(result, rank, world, "ZeRO-2 (SGD)")
+        assert_same_as_ddp(result, rank, world, f"{method} (SGD)")
 
 
-@pytest.mark.task5_3
-def test_zero2_step_before_backward_is_a_clear_error(ex):
-    raise_if_untouched(ex.Zero2Optimizer.step)  # a stub: not attempted, without starting ranks
-    outcomes = run_on_ranks(step_before_backward, "zero2", world_size=2, timeout=20,
+@pytest.mark.parametrize("method,graded", HAND_ZERO)
+def test_hand_zero_step_before_backward_is_a_clear_error(ex, method, graded):
+    raise_if_untouched(getattr(ex, graded).step)  # a stub: not attempted, without ranks
+    outcomes = run_on_ranks(step_before_backward, method, world_size=2, timeout=20,
                             pg_timeout=5.0)
-    assert_step_before_backward_refused(outcomes, "Zero2Optimizer")
+    assert_step_before_backward_refused(outcomes, graded)
 
 
 # Shares of different sizes, and parameters smaller than the world: each method beside DDP.
