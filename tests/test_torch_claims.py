@@ -6,6 +6,7 @@ these, the test fails here instead of the text quietly becoming wrong.
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
 import io
@@ -24,6 +25,7 @@ from torch.utils.data import DistributedSampler
 
 from harness.exercises import REPO_ROOT
 from harness.launch import LAUNCHERS
+from harness.ranks import run_on_ranks
 
 
 def torchrun_args(*flags: str):
@@ -211,3 +213,140 @@ def test_ddp_buckets_are_another_copy_of_the_gradients_unless_the_gradients_are_
         assert len(storages[True]) < 4, "the gradients share the buckets' memory"
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- lesson 06, DTensor
+
+TP_BLOCK = dict(vocab_size=29, block_size=8, n_layer=1, n_head=4, n_embd=16, bias=True)
+
+
+def tp_plan(prepare_attention_input: bool, sequence_parallel: bool = False) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    plan = {f"attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    plan |= {"attn.out_proj": RowwiseParallel(output_layouts=stream),
+             "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(
+                 output_layouts=stream)}
+    if prepare_attention_input:
+        plan["attn"] = PrepareModuleInput(input_layouts=(stream,),
+                                          desired_input_layouts=(Replicate(),),
+                                          use_local_output=False)
+    if sequence_parallel:
+        plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+                 "mlp": PrepareModuleInput(input_layouts=(stream,),
+                                           desired_input_layouts=(Replicate(),))}
+    return plan
+
+
+def tp_block_run(ctx, prepare_attention_input: bool, sequence_parallel: bool):
+    """One gpt.Block parallelized with tp_plan on every rank: its placements, its output and
+    input gradient against the unsplit block's, and CommDebugMode's counts of each collective."""
+    from gpt import Block, GPTConfig
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    whole = Block(GPTConfig(**TP_BLOCK))
+    block = parallelize_module(copy.deepcopy(whole), init_device_mesh("cpu", (ctx.world_size,)),
+                               tp_plan(prepare_attention_input, sequence_parallel))
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    mine = x.chunk(ctx.world_size, 1)[ctx.rank] if sequence_parallel else x
+    mine = mine.clone().requires_grad_(True)
+    with CommDebugMode() as forward:
+        y = block(mine)
+    with CommDebugMode() as backward:
+        y.sum().backward()
+    reference = x.clone().requires_grad_(True)
+    y_whole = whole(reference)
+    y_whole.sum().backward()
+    expected_y, expected_grad = y_whole, reference.grad
+    if sequence_parallel:
+        expected_y = y_whole.chunk(ctx.world_size, 1)[ctx.rank]
+        expected_grad = reference.grad.chunk(ctx.world_size, 1)[ctx.rank]
+    ln_grad = block.ln_1.weight.grad
+
+    def counts(mode):
+        return {str(op).rpartition(".")[2]: n for op, n in mode.get_comm_counts().items()}
+
+    return {"placements": {name: tuple(map(repr, p.placements)) for name, p in
+                           block.named_parameters() if isinstance(p, DTensor)},
+            "output_is_plain": type(y) is torch.Tensor,
+            "y_error": float((y - expected_y).abs().max()),
+            "grad_error": float((mine.grad - expected_grad).abs().max()),
+            "ln_grad": tuple(map(repr, ln_grad.placements)) if isinstance(ln_grad, DTensor)
+            else None,
+            "forward": counts(forward), "backward": counts(backward)}
+
+
+def test_colwise_and_rowwise_split_as_lesson_06_says():
+    """06 README: ColwiseParallel shards weight and bias `Shard(0)`, RowwiseParallel the weight
+    `Shard(1)` and keeps the bias `Replicate()`; their default input and output layouts;
+    outputs are plain tensors (`use_local_output`
+    defaults to True); one all-reduce per RowwiseParallel forward; in backward each
+    ColwiseParallel all-reduces its own input gradient, three for q, k and v, unless
+    PrepareModuleInput makes the attention's input a replicated DTensor once."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    for style in (ColwiseParallel, RowwiseParallel):
+        assert inspect.signature(style).parameters["use_local_output"].default is True
+    # "ColwiseParallel takes its input whole and gives each rank a slice of the last dimension;
+    # RowwiseParallel takes that slice and gives back the whole"
+    column, row = ColwiseParallel(), RowwiseParallel()
+    assert (column.input_layouts, column.output_layouts) == ((Replicate(),), (Shard(-1),))
+    assert (row.input_layouts, row.output_layouts) == ((Shard(-1),), (Replicate(),))
+    plain, prepared = (run_on_ranks(tp_block_run, prepare, False, world_size=2)[0]
+                       for prepare in (False, True))
+    for result in (plain, prepared):
+        assert result["y_error"] < 1e-5 and result["grad_error"] < 1e-5, result
+        assert result["output_is_plain"], result
+        placements = result["placements"]
+        assert placements["attn.q_proj.weight"] == placements["attn.q_proj.bias"] == (
+            "Shard(dim=0)",), placements
+        assert placements["attn.out_proj.weight"] == ("Shard(dim=1)",), placements
+        assert placements["attn.out_proj.bias"] == ("Replicate()",), placements
+        assert result["forward"] == {"all_reduce": 2}, result["forward"]
+    assert plain["backward"] == {"all_reduce": 4}, plain["backward"]  # 3 + 1
+    assert prepared["backward"] == {"all_reduce": 2}, prepared["backward"]  # 1 + 1
+
+
+def test_sequence_parallel_replaces_each_all_reduce_by_a_reduce_scatter_and_an_all_gather():
+    """06 README, sequence parallelism: with the residual stream split along the sequence
+    (`Shard(1)`), every all-reduce of the block becomes a reduce-scatter (leaving the split
+    layers) and an all-gather (entering them), forward and backward; the block still computes
+    the unsplit block's output; a layer norm's weight gradient is a `Partial` DTensor, each
+    rank's tokens' share, summed only when it is needed."""
+    result = run_on_ranks(tp_block_run, True, True, world_size=2)[0]
+    assert result["y_error"] < 1e-5 and result["grad_error"] < 1e-5, result
+    gathers = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert result["forward"] == gathers and result["backward"] == gathers, result
+    assert result["ln_grad"] == ("Partial(sum)",), result["ln_grad"]
+
+
+def uneven_shards(ctx):
+    from gpt import CausalSelfAttention, GPTConfig
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    sizes = distribute_tensor(torch.arange(5.0), mesh, [Shard(0)]).to_local().shape[0]
+    # 3 heads of 4 features on 2 ranks: 6 features each, a head and a half.
+    attn = CausalSelfAttention(GPTConfig(vocab_size=5, n_head=3, n_embd=12))
+    parallelize_module(attn, mesh, {"q_proj": ColwiseParallel()})
+    return sizes, attn.q_proj.weight.to_local().shape[0]
+
+
+def test_dtensor_shards_a_dimension_that_does_not_divide_without_complaint():
+    """06 README and parallelize_gpt's contract: DTensor cuts a dimension that does not divide
+    as torch.chunk does (5 rows on 2 ranks: 3 and 2), and parallelize_module splits 3 heads of
+    4 features over 2 ranks as 6 features each without a word: the check is ours to make."""
+    assert run_on_ranks(uneven_shards, world_size=2) == [(3, 6), (2, 6)]

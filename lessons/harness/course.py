@@ -93,6 +93,13 @@ COURSE: tuple[Lesson, ...] = (
             "task5_3": "Zero2Optimizer",
             "task5_4": "shard_model", "task5_5": "AllGatherShard, Zero3Blocks"},
            (Script("train_fsdp.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py"),)),
+    Lesson("06_tensor_parallel", "Tensor parallel: split layers, DTensor, 2-D",
+           {"task6_1": "CopyToParallel, ReduceFromParallel",
+            "task6_2": "ColumnParallelLinear, RowParallelLinear",
+            "task6_3": "TensorParallelMLP, TensorParallelAttention, tensor_parallel_blocks",
+            "task6_4": "block_plan, parallelize_gpt", "task6_5": "parallelize_2d"},
+           (Script("train_tp.py", "torchrun", 2, QUICK,
+                   builds_on="05_sharded_data_parallel/train_fsdp.py"),)),
 )
 
 
