@@ -32,7 +32,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
-from harness.launch import start_script
+from harness.hardware import gpu_marks
+from harness.launch import run_script, start_script
 from harness.ranks import group_params, run_on_ranks
 
 LESSON = "06_tensor_parallel"
@@ -873,6 +874,24 @@ def test_script_2d_on_four_ranks_trains_what_one_process_trains(script_run, refe
             f"{expected:.0f}: {sizes}")
     assert "dp 2 x tp 2" in run.output and not [line for line in run.rank_lines(1)
                                                    if "epoch" in line], run.output
+
+
+# CUDA kernels add in another order than the CPU's (lesson 03 measured the same bound).
+CUDA_VS_CPU = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus", [pytest.param(n, marks=gpu_marks(n, f"nccl, tp {n}"),
+                                               id=f"tp{n}") for n in (1, 2)])
+def test_script_on_gpus_trains_what_one_process_trains_on_the_cpu(reference, gpus):
+    """On GPUs the script runs nccl, one GPU per rank, every rank in one TP group: the CPU
+    reference's losses to CUDA's rounding."""
+    run = run_script(SCRIPT, *TRAIN, "--batch-size", "16", launcher="torchrun", nproc=gpus)
+    assert (run.data["backend"], run.data["device"], run.data["tp"]) == ("nccl", "cuda:0",
+                                                                         gpus), run.data
+    for key in ("train_loss", "val_loss"):
+        assert_close(torch.tensor(run.data[key]), torch.tensor(reference["result"][key]),
+                     f"tp {gpus} on GPUs vs one CPU process x 16: {key}", **CUDA_VS_CPU)
 
 
 @pytest.fixture
