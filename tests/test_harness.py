@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from harness import forkserver, ranks
 from harness.exercises import REPO_ROOT, solutions_mode
 from harness.launch import LaunchError, run_script, start_script
+from harness.pipeline import Deadlock, ScheduleError, simulate
 from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
 
 PROBE = Path(__file__).with_name("probes") / "launch_probe.py"
@@ -496,3 +498,86 @@ def test_collective_log_counts_payloads_once_and_restores_the_functions():
         assert result["ring"] == share * (2 * 32 + 16 + 24 + 20), result
         assert result["restored"] and result["gathered_freed"], result
         assert "1 all_reduce (0.0 kB)" in result["summary"], result["summary"]
+
+
+# ----------------------------------------------------------------------------- pipeline schedules
+
+
+def gpipe(stages: int, micro_batches: int):
+    """Every forward, then every backward (last micro-batch's first), on every stage."""
+    return [[("F", m) for m in range(micro_batches)]
+            + [("B", m) for m in reversed(range(micro_batches))]] * stages
+
+
+def one_f_one_b(stages: int, micro_batches: int):
+    """Warm up with p - s - 1 forwards, then alternate one forward and one backward."""
+    schedule = []
+    for stage in range(stages):
+        warmup = min(stages - stage - 1, micro_batches)
+        actions = [("F", m) for m in range(warmup)]
+        for i in range(micro_batches - warmup):
+            actions += [("F", warmup + i), ("B", i)]
+        actions += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
+        schedule.append(actions)
+    return schedule
+
+
+def test_pipeline_simulator_times_a_small_gpipe_by_hand():
+    # 2 stages, 2 micro-batches, forward 1, backward 2:
+    # stage 0: F0 [0,1] F1 [1,2]                   B1 [5,7] B0 [7,9]
+    # stage 1:          F0 [1,2] F1 [2,3] B1 [3,5] B0 [5,7]
+    timeline = simulate(gpipe(2, 2), 2)
+    times = {(s.stage, f"{s.kind}{s.micro_batch}"): (s.start, s.end) for s in timeline.slots}
+    assert times == {(0, "F0"): (0, 1), (0, "F1"): (1, 2), (1, "F0"): (1, 2),
+                     (1, "F1"): (2, 3), (1, "B1"): (3, 5), (1, "B0"): (5, 7),
+                     (0, "B1"): (5, 7), (0, "B0"): (7, 9)}
+    assert timeline.makespan == 9
+    assert timeline.busy(0) == timeline.busy(1) == 6
+    assert timeline.bubble_fraction() == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1)
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b], ids=["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro_batches", [(2, 1), (2, 4), (4, 4), (4, 8), (3, 7)])
+def test_pipeline_simulator_finds_the_bubble_formula(make, stages, micro_batches):
+    for forward, backward in ((1.0, 2.0), (1.0, 1.0), (2.0, 3.0)):
+        timeline = simulate(make(stages, micro_batches), micro_batches, forward, backward)
+        assert timeline.bubble_fraction() == pytest.approx(
+            (stages - 1) / (micro_batches + stages - 1))
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 4), (4, 8), (3, 7)])
+def test_pipeline_simulator_counts_activations_in_flight(stages, micro_batches):
+    held = [simulate(make(stages, micro_batches), micro_batches).peak_in_flight(s)
+            for make in (gpipe, one_f_one_b) for s in range(stages)]
+    assert held[:stages] == [micro_batches] * stages  # GPipe: every micro-batch
+    assert held[stages:] == [min(stages - s, micro_batches) for s in range(stages)]  # 1F1B
+
+
+def test_pipeline_simulator_names_what_each_stuck_stage_waits_for():
+    # Stage 0 waits for B0 after F0; stage 1 wants F1 before it runs B0: neither can go on.
+    stuck = [[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]]
+    with pytest.raises(Deadlock, match=r"stage 0 waits to run B0 for B0 from stage 1; "
+                                       r"stage 1 waits to run F1 for F1 from stage 0"):
+        simulate(stuck, 2)
+
+
+@pytest.mark.parametrize("schedule,match", [
+    ([[("F", 0)], [("F", 0), ("B", 0)]], r"stage 0 never runs \[\('B', 0\)\]"),
+    ([[("F", 0), ("F", 0), ("B", 0)]], r"stage 0 runs \('F', 0\) twice"),
+    ([[("B", 0), ("F", 0)]], r"before \('F', 0\)"),
+    ([[("F", 0), ("B", 0), ("F", 1), ("B", 1)]], r"micro-batches 0 to 0"),
+    ([[("X", 0)]], r"is not \('F', m\) or \('B', m\)"),
+    ([], r"at least one stage"),
+], ids=["missing", "twice", "backward-first", "no-such-micro-batch", "unknown-kind", "empty"])
+def test_pipeline_simulator_rejects_what_is_not_a_schedule(schedule, match):
+    with pytest.raises(ScheduleError, match=match):
+        simulate(schedule, 1)
+
+
+def test_pipeline_timeline_draws_every_action():
+    timeline = simulate(one_f_one_b(3, 4), 4)
+    picture = ElementTree.fromstring(timeline.svg("1F1B, 3 stages, 4 micro-batches"))
+    namespace = "{http://www.w3.org/2000/svg}"
+    labels = [t.text for t in picture.iter(f"{namespace}text")]
+    assert sum(label in {f"{k}{m}" for k in "FB" for m in range(4)} for label in labels) == 24
+    assert "1F1B, 3 stages, 4 micro-batches" in labels and "stage 2" in labels

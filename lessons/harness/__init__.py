@@ -11,6 +11,8 @@
 - ``harness.memory``: the bytes of the tensors an object (a model, an optimizer) holds, for
   memory claims that must hold on a CPU too.
 - ``harness.collectives``: count the collectives a piece of code calls and the bytes they move.
+- ``harness.pipeline``: run a pipeline schedule on paper: each stage's timeline, deadlocks named,
+  the bubble and the activations in flight, and the timeline as an SVG picture.
 - ``harness.course``: the course manifest: lessons, their tasks and scripts.
 - ``harness.selfcheck``: run the course's own tests from outside, in scratch copies (for
   ``tests/``: solutions pass, stubs and known wrong answers are caught).

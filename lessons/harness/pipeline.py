@@ -1,0 +1,189 @@
+"""Run a pipeline schedule on paper: when each stage computes what, the bubble, the memory.
+
+    from harness.pipeline import simulate
+
+    gpipe = [[("F", m) for m in range(4)] + [("B", m) for m in reversed(range(4))]] * 2
+    timeline = simulate(gpipe, num_micro_batches=4)      # 2 stages, 4 micro-batches
+    timeline.bubble_fraction()                           # (p - 1) / (m + p - 1) = 0.2
+    timeline.peak_in_flight(0)                           # 4: GPipe holds every micro-batch
+    open("gpipe.svg", "w").write(timeline.svg("GPipe"))
+
+A *schedule* lists, for every stage, the actions it runs in order: ``("F", m)`` is the forward
+of micro-batch ``m``, ``("B", m)`` its backward. A stage runs its list in order and starts an
+action as soon as it is free and the action's input has arrived:
+
+- ``("F", m)`` on stage s needs stage s - 1's ``("F", m)`` (its output activation);
+- ``("B", m)`` on stage s needs stage s + 1's ``("B", m)`` (the gradient of its output), and
+  its own ``("F", m)`` earlier in its list (the activations it saved).
+
+This is how real stages behave when each blocks on a receive: a stage whose next action waits
+for something that can never come is a deadlock, and ``simulate`` raises :class:`Deadlock`
+naming what every stuck stage waits for. Communication is taken as free; a forward takes
+``forward_time`` and a backward ``backward_time`` on every stage (even stages: the bubble
+formula's assumption).
+
+The lesson's graded ``schedule()`` is checked with this module, which the tests own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from xml.sax.saxutils import escape
+
+Action = tuple[str, int]  # ("F", micro_batch) or ("B", micro_batch)
+KINDS = ("F", "B")
+
+
+class ScheduleError(ValueError):
+    """The schedule is not a schedule: an unknown action, a missing or repeated one, a backward
+    before its forward."""
+
+
+class Deadlock(ScheduleError):
+    """No stage can start its next action: each waits for another that never comes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    stage: int
+    kind: str  # "F" or "B"
+    micro_batch: int
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    slots: tuple[Slot, ...]
+    num_stages: int
+    num_micro_batches: int
+
+    @property
+    def makespan(self) -> float:
+        """From the first forward's start to the last backward's end."""
+        return max(slot.end for slot in self.slots)
+
+    def of(self, stage: int) -> list[Slot]:
+        return sorted((s for s in self.slots if s.stage == stage), key=lambda s: s.start)
+
+    def busy(self, stage: int) -> float:
+        return sum(slot.end - slot.start for slot in self.of(stage))
+
+    def idle(self, stage: int) -> float:
+        return self.makespan - self.busy(stage)
+
+    def bubble_fraction(self) -> float:
+        """The share of all stages' time spent idle: 1 - busy / (stages x makespan)."""
+        total = self.num_stages * self.makespan
+        return 1 - sum(self.busy(s) for s in range(self.num_stages)) / total
+
+    def peak_in_flight(self, stage: int) -> int:
+        """The most micro-batches whose activations ``stage`` holds at once: forwards done
+        whose backward has not run yet."""
+        held = peak = 0
+        for slot in self.of(stage):
+            held += 1 if slot.kind == "F" else -1
+            peak = max(peak, held)
+        return peak
+
+    def svg(self, title: str = "", unit: float = 24.0, row: float = 28.0) -> str:
+        """The timeline as an SVG picture: one row per stage, forwards blue, backwards green,
+        each labelled with its micro-batch; idle time left blank."""
+        left, top = 70.0, 30.0 if title else 8.0
+        width = left + self.makespan * unit + 10
+        height = top + self.num_stages * row + 26
+        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
+                 f'height="{height:.0f}" font-family="sans-serif" font-size="12">']
+        if title:
+            parts.append(f'<text x="{left}" y="18" font-weight="bold">{escape(title)}</text>')
+        for stage in range(self.num_stages):
+            y = top + stage * row
+            parts.append(f'<text x="4" y="{y + row / 2 + 4:.1f}">stage {stage}</text>')
+            parts.append(f'<rect x="{left}" y="{y + 2:.1f}" width="{self.makespan * unit:.1f}" '
+                         f'height="{row - 4:.1f}" fill="#f2f2f2"/>')
+        for slot in self.slots:
+            x, y = left + slot.start * unit, top + slot.stage * row
+            fill = "#4c78a8" if slot.kind == "F" else "#54a24b"
+            length = (slot.end - slot.start) * unit
+            parts.append(f'<rect x="{x:.1f}" y="{y + 2:.1f}" width="{length:.1f}" '
+                         f'height="{row - 4:.1f}" fill="{fill}" stroke="white"/>')
+            parts.append(f'<text x="{x + 4:.1f}" y="{y + row / 2 + 4:.1f}" fill="white">'
+                         f'{slot.kind}{slot.micro_batch}</text>')
+        parts.append(f'<text x="{left}" y="{height - 8:.0f}">time (a forward = 1, a backward = '
+                     f'{self._backward_time():g}); idle {self.bubble_fraction():.0%}</text>')
+        parts.append("</svg>")
+        return "\n".join(parts) + "\n"
+
+    def _backward_time(self) -> float:
+        return next(s.end - s.start for s in self.slots if s.kind == "B")
+
+
+def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> None:
+    """Raise :class:`ScheduleError` unless every stage runs each micro-batch's forward and
+    backward exactly once, forward first."""
+    if not schedule:
+        raise ScheduleError("a schedule needs at least one stage")
+    expected = {(kind, m) for kind in KINDS for m in range(num_micro_batches)}
+    for stage, actions in enumerate(schedule):
+        seen: set[Action] = set()
+        for position, action in enumerate(actions):
+            if (not isinstance(action, tuple) or len(action) != 2 or action[0] not in KINDS
+                    or not isinstance(action[1], int)):
+                raise ScheduleError(f"stage {stage}, action {position}: {action!r} is not "
+                                    f"('F', m) or ('B', m)")
+            if action not in expected:
+                raise ScheduleError(f"stage {stage}, action {position}: {action!r}: there are "
+                                    f"micro-batches 0 to {num_micro_batches - 1}")
+            if action in seen:
+                raise ScheduleError(f"stage {stage} runs {action!r} twice")
+            if action[0] == "B" and ("F", action[1]) not in seen:
+                raise ScheduleError(f"stage {stage} runs {action!r} before ('F', {action[1]}): "
+                                    f"a backward needs the activations its forward saved")
+            seen.add(action)
+        missing = sorted(expected - seen, key=lambda a: (a[1], a[0]))
+        if missing:
+            raise ScheduleError(f"stage {stage} never runs {missing[:4]}"
+                                + (" ..." if len(missing) > 4 else ""))
+
+
+def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
+             forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
+    """When every action of ``schedule`` runs (see the module docstring for the rules)."""
+    validate(schedule, num_micro_batches)
+    stages = len(schedule)
+    done: dict[tuple[int, str, int], float] = {}  # (stage, kind, micro-batch) -> end time
+    position = [0] * stages
+    free = [0.0] * stages
+    slots = []
+
+    def needs(stage: int, action: Action) -> tuple[int, str, int] | None:
+        kind, m = action
+        if kind == "F":
+            return (stage - 1, "F", m) if stage > 0 else None
+        return (stage + 1, "B", m) if stage < stages - 1 else None
+
+    while any(position[s] < len(schedule[s]) for s in range(stages)):
+        progressed = False
+        for stage in range(stages):
+            while position[stage] < len(schedule[stage]):
+                action = schedule[stage][position[stage]]
+                dependency = needs(stage, action)
+                if dependency is not None and dependency not in done:
+                    break
+                start = max(free[stage], done[dependency] if dependency is not None else 0.0)
+                end = start + (forward_time if action[0] == "F" else backward_time)
+                slots.append(Slot(stage, action[0], action[1], start, end))
+                done[(stage, *action)] = free[stage] = end
+                position[stage] += 1
+                progressed = True
+        if not progressed:
+            waits = []
+            for stage in range(stages):
+                if position[stage] < len(schedule[stage]):
+                    action = schedule[stage][position[stage]]
+                    source, kind, m = needs(stage, action)
+                    waits.append(f"stage {stage} waits to run {action[0]}{action[1]} for "
+                                 f"{kind}{m} from stage {source}")
+            raise Deadlock("deadlock: " + "; ".join(waits))
+    return Timeline(tuple(slots), stages, num_micro_batches)
