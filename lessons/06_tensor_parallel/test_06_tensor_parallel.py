@@ -26,6 +26,7 @@ import torch.distributed.tensor.parallel  # noqa: F401 - likewise
 from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -40,9 +41,9 @@ LESSON = "06_tensor_parallel"
 SCRIPT = f"lessons/{LESSON}/train_tp.py"
 WORLDS = (2, 4)  # the running example's 4 heads split 2 and 4 ways
 # gloo with CPU tensors; CUDA: gloo ranks sharing cuda:0, nccl one rank per GPU.
-GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(2,))
+GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(2,), nccl_world_sizes=WORLDS)
 # DTensor with gloo on CUDA tensors is not a combination the course has run: nccl only on GPUs.
-DTENSOR_GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=())
+DTENSOR_GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(), nccl_world_sizes=WORLDS)
 
 # 4 heads of 4 features, 2 blocks, biases on: a bias added W times, or not at all, shows.
 CONFIG = dict(vocab_size=29, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
@@ -222,7 +223,8 @@ def conjugate_diagnosis(grad: torch.Tensor, expected: torch.Tensor, own: torch.T
         return (f": it is this rank's own part only; the other {world - 1} rank(s)' parts "
                 f"are missing. f's backward must all-reduce (sum) the gradient")
     if torch.allclose(grad, world * expected, rtol=1e-4, atol=1e-5):
-        return f": it is {world}x the expected one: one all-reduce too many in backward"
+        return (f": it is {world}x the expected one: one all-reduce too many in backward "
+                f"(f's backward all-reduces once; g's passes the gradient through)")
     return ""
 
 
@@ -294,9 +296,79 @@ def test_reduce_from_parallel_sums_in_forward_only(ex, group):
                                  f"unchanged") from None
 
 
+def pair_run(ctx, what: str):
+    """Two tensor-parallel groups on 4 ranks, [0, 1] and [2, 3], each on data of its own, with
+    ``group=`` its own pair: what a 2-D layout's rows do. ``what``: "conjugates" (f and g) or
+    "layers" (a column layer, then a row layer)."""
+    ex = load_exercise(LESSON)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    pair = ctx.rank // 2
+    group = pairs[pair]
+    if what == "conjugates":
+        x = rank_weights(-10 - pair, SHAPE).requires_grad_(True)  # the same within a pair
+        (ex.CopyToParallel.apply(x, group) * rank_weights(ctx.rank, SHAPE)).sum().backward()
+        total = ex.ReduceFromParallel.apply(rank_weights(100 + ctx.rank, SHAPE), group)
+        return {"f_grad": x.grad, "g_out": total.detach()}
+    column = ex.ColumnParallelLinear(whole_layer(IN, HIDDEN, 0), group)
+    row = ex.RowParallelLinear(whole_layer(HIDDEN, OUT, 1), group)
+    try:
+        out = row(column(rank_weights(-20 - pair, (3, IN)))).detach()
+    except RuntimeError as error:  # slices of the wrong size: the parent says which
+        out = f"RuntimeError: {str(error).splitlines()[0][:200]}"
+    return {"weight": column.weight.detach(), "out": out}
+
+
+def pair_diagnosis(got: torch.Tensor, everyone: torch.Tensor) -> str:
+    if torch.allclose(got, everyone, atol=1e-5):
+        return (": that is the sum over all 4 ranks, not over this rank's group of 2. Pass "
+                "group= to dist.all_reduce")
+    return ""
+
+
+@pytest.mark.task6_1
+def test_conjugates_reduce_within_their_group_only(ex):
+    untouched(ex.CopyToParallel.backward, ex.ReduceFromParallel.forward)
+    results = run_on_ranks(pair_run, "conjugates", world_size=4)
+    for rank, got in enumerate(results):
+        mates = [2 * (rank // 2), 2 * (rank // 2) + 1]
+        for key, offset, what in (("f_grad", 0, "the gradient through CopyToParallel"),
+                                  ("g_out", 100, "ReduceFromParallel's output")):
+            expected = sum(rank_weights(offset + r, SHAPE) for r in mates)
+            everyone = sum(rank_weights(offset + r, SHAPE) for r in range(4))
+            try:
+                assert_close(got[key], expected, f"{what} with group={mates}", rank)
+            except AssertionError as error:
+                raise AssertionError(f"{error}{pair_diagnosis(got[key], everyone)}") from None
+
+
+@pytest.mark.task6_2
+def test_split_layers_use_their_group_only(ex):
+    untouched(ex.ColumnParallelLinear.__init__, ex.RowParallelLinear.__init__)
+    results = run_on_ranks(pair_run, "layers", world_size=4)
+    column, row = whole_layer(IN, HIDDEN, 0), whole_layer(HIDDEN, OUT, 1)
+    for rank, got in enumerate(results):
+        mates, mine = [2 * (rank // 2), 2 * (rank // 2) + 1], rank % 2
+        rows = column.weight.detach().chunk(2)[mine]
+        if got["weight"].shape != rows.shape:
+            whole_world = got["weight"].shape == column.weight.chunk(4)[0].shape
+            raise AssertionError(
+                f"rank {rank}: with group={mates} ColumnParallelLinear keeps a weight of shape "
+                f"{tuple(got['weight'].shape)}, expected {tuple(rows.shape)}: half of the rows"
+                + (", its group has 2 ranks. Use dist.get_world_size(group) and "
+                   "dist.get_rank(group), not the whole world's" if whole_world else ""))
+        assert_close(got["weight"], rows, f"ColumnParallelLinear's weight with group={mates} "
+                     f"(rank {mine} of its group)", rank)
+        assert not isinstance(got["out"], str), (
+            f"rank {rank}: a column layer then a row layer, group={mates}: {got['out']}")
+        with torch.no_grad():
+            expected = row(column(rank_weights(-20 - rank // 2, (3, IN))))
+        assert_close(got["out"], expected, f"a column layer then a row layer, group={mates}",
+                     rank)
+
+
 # ----------------------------------------------------------------------------- task6_2 layers
 
-IN, HIDDEN, OUT = 8, 12, 6  # 12 splits 2 and 4 ways; 6 splits 2 ways only
+IN, HIDDEN, OUT = 8, 12, 6  # the split dimension, 12, divides by 2 and 4
 
 
 def whole_layer(in_features: int, out_features: int, seed: int) -> nn.Linear:
@@ -334,21 +406,35 @@ def split_layer_run(ctx, kind: str):
     if kind == "column":
         c = c.chunk(world, 1)[rank]
     kept = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    storage = {name: (p.untyped_storage().nbytes(), p.numel() * p.element_size())
+               for name, p in layer.named_parameters()}
     with CollectiveLog(ex) as forward:
         try:
             out = layer(mine)
         except RuntimeError as error:  # a slice of the wrong shape: the parent explains it
-            return {"kept": kept, "error": str(error).splitlines()[0][:200]}
+            return {"kept": kept, "storage": storage, "error": str(error).splitlines()[0][:200]}
     with CollectiveLog(ex) as backward:
         (out * c).sum().backward()
     grads = {name: p.grad for name, p in layer.named_parameters()}
-    return {"kept": kept, "out": out.detach(), "x_grad": mine.grad, "grads": grads,
+    return {"kept": kept, "storage": storage, "out": out.detach(), "x_grad": mine.grad,
+            "grads": grads,
             "forward": [call.op for call in forward.calls],
             "backward": [call.op for call in backward.calls]}
 
 
+def assert_copies(storage: dict, rank: int, what: str) -> None:
+    """Each kept slice owns its memory: a view would keep the whole layer's alive."""
+    __tracebackhide__ = True
+    for name, (nbytes, needed) in storage.items():
+        assert nbytes == needed, (
+            f"rank {rank}: {what}'s {name} is a view into a tensor of {nbytes} bytes, but the "
+            f"slice needs {needed}: the whole weight stays in memory on every rank. Keep a "
+            f"copy of the slice (.clone())")
+
+
 def assert_ran(got: dict, rank: int, what: str) -> None:
     __tracebackhide__ = True
+    assert_copies(got["storage"], rank, what)
     if "error" in got:
         raise AssertionError(f"rank {rank}: {what}'s forward raised RuntimeError: "
                              f"{got['error']}")
@@ -397,7 +483,7 @@ def test_column_parallel_linear_equals_the_unsplit_layer(ex, group):
 
 
 @pytest.mark.task6_2
-@pytest.mark.parametrize("group", [g for g in GROUPS if g.values[0][0] != 4])
+@pytest.mark.parametrize("group", GROUPS)
 def test_row_parallel_linear_equals_the_unsplit_layer(ex, group):
     world, backend, device = group
     untouched(ex.RowParallelLinear.__init__, ex.RowParallelLinear.forward)
@@ -509,7 +595,9 @@ def hand_tp_run(ctx, steps: int):
     no_tf32()
     model = ex.tensor_parallel_blocks(make_gpt().to(ctx.device))
     optimizer = torch.optim.SGD(model.parameters(), **SGD)
-    out = {"states": [], "block_parameters": sum(p.numel() for p in model.blocks[0].parameters())}
+    out = {"states": [], "block_parameters": sum(p.numel() for p in model.blocks[0].parameters()),
+           "storage": {name: (p.untyped_storage().nbytes(), p.numel() * p.element_size())
+                       for name, p in model.blocks[0].named_parameters()}}
     for step in range(steps):
         inputs, targets = (t.to(ctx.device) for t in batch(step))
         optimizer.zero_grad(set_to_none=True)
@@ -551,6 +639,7 @@ def test_tensor_parallel_gpt_trains_like_the_unsplit_model(ex, group):
         assert got["block_parameters"] == block_parameters(world), (
             f"rank {rank}: keeps {got['block_parameters']} parameters of a block, expected "
             f"{block_parameters(world)}: 1/{world} of each split layer, the rest whole")
+        assert_copies(got["storage"], rank, "block 0")
         assert_collectives(got["forward"], "forward", rank,
                            "In forward only the row-parallel layers (out_proj, down_proj) "
                            "all-reduce.")
@@ -606,7 +695,8 @@ def test_split_attention_and_mlp_give_the_input_its_whole_gradient(ex, layer, wo
                        f"input of the split layers is missing")
             elif torch.allclose(got["grad"], world * x.grad, rtol=1e-3, atol=1e-4):
                 why = (f"it is {world}x the whole: the input's gradient is all-reduced once "
-                       f"too often")
+                       f"too often. ReduceFromParallel's (g's) backward must pass the gradient "
+                       f"through unchanged")
             else:
                 why = ""
             raise AssertionError(f"{error}" + (f": {why}" if why else "")) from None
@@ -723,7 +813,9 @@ def two_d_run(ctx, steps: int):
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     # The README: init_device_mesh fills rows first, so a tp group is neighbouring ranks.
     out = {"states": [], "placements": {}, "tp_group": mesh["tp"].mesh.tolist(),
-           "dp_group": mesh["dp"].mesh.tolist()}
+           "dp_group": mesh["dp"].mesh.tolist(),
+           "blocks_sharded": all(isinstance(b, FSDPModule) for b in model.blocks),
+           "root_sharded": isinstance(model, FSDPModule)}
     for name, p in model.blocks[0].named_parameters():
         out["placements"][name] = ((p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)),
                                     p.to_local().numel())
@@ -766,6 +858,14 @@ def test_2d_trains_like_one_process_on_the_whole_batch(ex, group):
         assert q[2] == whole // world, (
             f"rank {rank}: holds {q[2]} elements of q_proj.weight, expected {whole // world}: "
             f"1/{MESH_2D[1]} by tensor parallelism, and that halved again by FSDP")
+        assert got["blocks_sharded"], (
+            f"rank {rank}: the blocks are not FSDP modules: fully_shard each block on "
+            f"mesh['dp'] before the root, so that a block's weights are gathered just before it "
+            f"runs rather than the whole model at once")
+        assert got["root_sharded"], (
+            f"rank {rank}: the model itself is not an FSDP module: the embeddings, the final "
+            f"norm and the head are then never averaged across the dp rows. fully_shard(model, "
+            f"mesh=mesh['dp']) last")
         ln = next(v for n, v in layout.items() if n.endswith("ln_1.weight"))
         assert ln is not None and ln[0] == ("dp",), (
             f"rank {rank}: block 0's ln_1.weight lives on {ln and ln[0]}, expected FSDP's "
@@ -905,11 +1005,21 @@ def train_script(monkeypatch):
 
 
 def test_script_refuses_a_tp_degree_that_does_not_fit(train_script, capsys):
-    """One process: --tp 2 needs two; --tp 3 cannot split the tiny model's 4 heads."""
+    """One process: --tp 2 needs two."""
     assert train_script.main(["--tp", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tp 2" in err[0] and "1 process" in err[0], err
     assert not dist.is_initialized()
+
+
+def test_script_names_the_default_tp_degree_and_what_it_must_divide(train_script, monkeypatch,
+                                                                     capsys):
+    """8 processes and no --tp: the default, 8, cannot split the tiny model's 4 heads."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert train_script.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tp 8 (the default: every process)" in err[0], err
+    assert "4 heads" in err[0] and "try --tp 4" in err[0] and "processes" not in err[0], err
 
 
 def test_script_explains_a_partial_launcher_environment(train_script, monkeypatch, capsys):

@@ -194,13 +194,16 @@ def block_plan() -> dict:
             "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
 
 
-def check_tp(tp: int, world_size: int, size: str) -> None:
+def check_tp(tp: int, world_size: int, size: str, flag: str = "") -> None:
     """A tp degree must divide the processes (the mesh is dp x tp) and the heads (whole heads)."""
     heads = SIZES[size]["n_head"]
-    if world_size % tp or heads % tp:
-        processes = f"{world_size} process" + ("es" if world_size > 1 else "")
-        raise ValueError(f"--tp {tp} must divide the number of processes ({processes}) and "
-                         f"the {size} model's {heads} heads")
+    processes = f"the number of processes ({world_size} process{'es' * (world_size > 1)})"
+    wrong = [what for what, n in ((processes, world_size), (f"the {size} model's {heads} heads",
+                                                           heads)) if n % tp]
+    if wrong:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0 == heads % d]
+        raise ValueError(f"{flag or f'--tp {tp}'} must divide {' and '.join(wrong)}; try "
+                         f"--tp {fits[-1]}")
 
 
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
@@ -325,7 +328,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         tp = args.tp or int(os.environ.get("WORLD_SIZE", 1))
-        check_tp(tp, int(os.environ.get("WORLD_SIZE", 1)), args.size)
+        check_tp(tp, int(os.environ.get("WORLD_SIZE", 1)), args.size,
+                 "" if args.tp else f"--tp {tp} (the default: every process)")
         rank, world_size, device = setup(args.backend)
     except ValueError as err:
         print(f"{Path(__file__).name}: error: {err}", file=sys.stderr)

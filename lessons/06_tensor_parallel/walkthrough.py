@@ -13,10 +13,10 @@
 # %% [markdown]
 # # Lesson 06 walkthrough: one layer split across ranks, and the gradient autograd misses
 #
-# Three steps, all on a CPU: split a linear layer two ways with plain tensors (two pretend
+# Four steps, all on a CPU: split a linear layer two ways with plain tensors (two pretend
 # ranks in one process) and put the results back together; see why the input's gradient needs
-# an all-reduce that autograd alone would never do; then train the running example with tensor
-# parallelism under `torchrun`, started from here as a subprocess.
+# an all-reduce that autograd alone would never do; count what tensor parallelism sends; then
+# train the running example with it under `torchrun`, started from here as a subprocess.
 
 # %%
 import os

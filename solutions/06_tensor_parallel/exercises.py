@@ -203,7 +203,8 @@ class TensorParallelAttention(CausalSelfAttention):
     ``q_proj``, ``k_proj`` and ``v_proj`` become ``ColumnParallelLinear``s with
     ``copy_input=False`` (a head's output features are consecutive rows, so a slice of rows is
     a set of whole heads) and ``out_proj`` a ``RowParallelLinear``; ``head_dim``, ``dropout``
-    and ``resid_drop`` are kept. Like ``TensorParallelMLP``, call ``nn.Module.__init__``.
+    and ``resid_drop`` are kept, and ``group`` as ``self.group`` for the forward. Like
+    ``TensorParallelMLP``, call ``nn.Module.__init__``.
 
     ``forward(x)``: ``copy_to_parallel(x, group)`` once, for all three projections (one
     all-reduce in backward, not three), then ``CausalSelfAttention.forward`` as it is: it
