@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons"))
 from harness.exercises import REPO_ROOT, lesson_names  # noqa: E402
 
 TARGETS = {"pytest lessons/03_ddp": 20.0, "pytest lessons/05_sharded_data_parallel": 25.0,
-           "pytest lessons/06_tensor_parallel": 25.0, "pytest --solutions": 90.0}
+           "pytest lessons/06_tensor_parallel": 25.0, "pytest lessons/07_pipeline_parallel": 25.0,
+           "pytest --solutions": 90.0}
 
 
 def timed(*args: str) -> tuple[float, int]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from harness import forkserver, ranks
 from harness.exercises import REPO_ROOT, solutions_mode
 from harness.launch import LaunchError, run_script, start_script
-from harness.pipeline import Deadlock, ScheduleError, simulate
+from harness.pipeline import Deadlock, ScheduleError, reference_schedule, simulate
 from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
 
 PROBE = Path(__file__).with_name("probes") / "launch_probe.py"
@@ -504,22 +504,11 @@ def test_collective_log_counts_payloads_once_and_restores_the_functions():
 
 
 def gpipe(stages: int, micro_batches: int):
-    """Every forward, then every backward (last micro-batch's first), on every stage."""
-    return [[("F", m) for m in range(micro_batches)]
-            + [("B", m) for m in reversed(range(micro_batches))]] * stages
+    return reference_schedule("gpipe", stages, micro_batches)
 
 
 def one_f_one_b(stages: int, micro_batches: int):
-    """Warm up with p - s - 1 forwards, then alternate one forward and one backward."""
-    schedule = []
-    for stage in range(stages):
-        warmup = min(stages - stage - 1, micro_batches)
-        actions = [("F", m) for m in range(warmup)]
-        for i in range(micro_batches - warmup):
-            actions += [("F", warmup + i), ("B", i)]
-        actions += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
-        schedule.append(actions)
-    return schedule
+    return reference_schedule("1f1b", stages, micro_batches)
 
 
 def test_pipeline_simulator_times_a_small_gpipe_by_hand():
@@ -581,3 +570,21 @@ def test_pipeline_timeline_draws_every_action():
     labels = [t.text for t in picture.iter(f"{namespace}text")]
     assert sum(label in {f"{k}{m}" for k in "FB" for m in range(4)} for label in labels) == 24
     assert "1F1B, 3 stages, 4 micro-batches" in labels and "stage 2" in labels
+
+
+def test_pipeline_pictures_in_the_docs_are_current():
+    from harness import pipeline
+
+    assert pipeline.main(["--check"]) == 0, (
+        "docs/assets/pipeline/ is stale: run `python lessons/harness/pipeline.py --write`")
+
+
+def test_pipeline_picture_check_can_fail(tmp_path, monkeypatch):
+    from harness import pipeline
+
+    monkeypatch.setattr(pipeline, "PICTURES_DIR", tmp_path)
+    assert pipeline.main(["--check"]) == 1  # nothing drawn there yet
+    pipeline.main(["--write"])
+    assert pipeline.main(["--check"]) == 0
+    (tmp_path / "gpipe.svg").write_text("<svg/>")
+    assert pipeline.main(["--check"]) == 1

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from collections import Counter
 
 import pytest
 import torch
-from gpt import GPT, MLP, SIZES, CausalSelfAttention, CharDataset, GPTConfig, train_val_split
+from gpt import (
+    GPT,
+    MLP,
+    SIZES,
+    CausalSelfAttention,
+    CharDataset,
+    GPTConfig,
+    GPTStage,
+    train_val_split,
+)
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -240,3 +250,32 @@ def test_tiny_stays_tiny(dataset, tiny):
     print(f"\ntiny: {model.num_parameters()} parameters, one training step (batch {BATCH}, "
           f"context {tiny.block_size}, 1 thread) {min(times[1:]) * 1e3:.1f} ms")
     assert model.num_parameters() < 300_000
+
+
+@pytest.mark.parametrize("cut", [(4,), (1, 3), (2, 2), (1, 1, 1, 1)], ids=str)
+def test_stages_chained_are_the_model_and_share_its_modules(tiny, cut):
+    """GPTStage (lesson 07): consecutive runs of blocks, the embeddings on the first and the
+    head on the last, computing the model's logits and gradients with the model's own modules."""
+    whole = GPT(tiny, seed=0)
+    model = copy.deepcopy(whole)
+    bounds = [sum(cut[:i]) for i in range(len(cut) + 1)]
+    stages = [GPTStage(model, a, b) for a, b in itertools.pairwise(bounds)]
+    owned = [id(p) for stage in stages for p in stage.parameters()]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters()), "each parameter once"
+    tokens = torch.randint(0, tiny.vocab_size, (2, tiny.block_size),
+                           generator=torch.Generator().manual_seed(0))
+    x = tokens
+    for stage in stages:
+        x = stage(x)
+    logits, _ = whole(tokens)
+    torch.testing.assert_close(x, logits)
+    x.sum().backward()
+    logits.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("start,end", [(2, 2), (3, 1), (0, 5), (-1, 2)])
+def test_a_stage_must_be_a_run_of_the_models_blocks(tiny, start, end):
+    with pytest.raises(ValueError, match="not a stage of a model of 4 blocks"):
+        GPTStage(GPT(tiny), start, end)

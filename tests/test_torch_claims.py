@@ -294,10 +294,16 @@ def test_colwise_and_rowwise_split_as_lesson_06_says():
     ColwiseParallel all-reduces its own input gradient, three for q, k and v, unless
     PrepareModuleInput makes the attention's input a replicated DTensor once."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
 
     for style in (ColwiseParallel, RowwiseParallel):
         assert inspect.signature(style).parameters["use_local_output"].default is True
+    # "use_local_output=False is PrepareModuleInput's default, unlike the two styles'"
+    assert inspect.signature(PrepareModuleInput).parameters["use_local_output"].default is False
     # "ColwiseParallel takes its input whole and gives each rank a slice of the last dimension;
     # RowwiseParallel takes that slice and gives back the whole"
     column, row = ColwiseParallel(), RowwiseParallel()
@@ -347,6 +353,66 @@ def uneven_shards(ctx):
 
 def test_dtensor_shards_a_dimension_that_does_not_divide_without_complaint():
     """06 README and parallelize_gpt's contract: DTensor cuts a dimension that does not divide
-    as torch.chunk does (5 rows on 2 ranks: 3 and 2), and parallelize_module splits 3 heads of
+    unevenly (5 rows on 2 ranks: 3 and 2), and parallelize_module splits 3 heads of
     4 features over 2 ranks as 6 features each without a word: the check is ours to make."""
     assert run_on_ranks(uneven_shards, world_size=2) == [(3, 6), (2, 6)]
+
+
+# ---------------------------------------------------------------------------- lesson 07, pipelining
+
+
+def uneven_micro_batches(ctx):
+    """One stage, a batch of 10 cut into 4 micro-batches by torch's schedule, against the
+    whole batch's gradient and against the plain mean of the 4 micro-batches' gradients."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10, 3, generator=generator), torch.randn(10, 1, generator=generator)
+    layer = nn.Linear(3, 1)
+    reference = copy.deepcopy(layer)
+    schedule = ScheduleGPipe(PipelineStage(layer, 0, 1, torch.device("cpu")), n_microbatches=4,
+                             loss_fn=loss_fn)
+    losses = []
+    schedule.step(x, target=y, losses=losses)
+    loss_fn(reference(x), y).backward()
+    pieces = [len(p) for p in x.tensor_split(4)]
+    mean_of_means = sum(torch.autograd.grad(loss_fn(reference(a), b), reference.weight)[0]
+                        for a, b in zip(x.tensor_split(4), y.tensor_split(4), strict=True)) / 4
+    return {"pieces": pieces, "losses": len(losses), "grad": layer.weight.grad,
+            "whole": reference.weight.grad, "mean_of_means": mean_of_means}
+
+
+def fewer_micro_batches_than_stages(ctx):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(nn.Linear(2, 2), ctx.rank, ctx.world_size, torch.device("cpu"))
+    try:
+        Schedule1F1B(stage, n_microbatches=1, loss_fn=lambda out, target: out.sum())
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_torch_pipelining_averages_micro_batches_as_if_they_were_equal():
+    """07 README: torch's schedules average the micro-batches' gradients (`scale_grads=True`,
+    the default); Schedule1F1B refuses fewer micro-batches than stages; a batch of 10 in 4
+    micro-batches is cut 3, 3, 2, 2 without a word, and each
+    piece weighs a quarter: not the batch's mean. torch also offers interleaved and
+    zero-bubble schedules, and `pipeline` with `SplitPoint` to cut a model by tracing it."""
+    from torch.distributed import pipelining
+
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+                 "ScheduleInterleavedZeroBubble", "PipelineStage", "pipeline", "SplitPoint"):
+        assert hasattr(pipelining, name), name
+    for schedule in (pipelining.ScheduleGPipe, pipelining.Schedule1F1B):
+        assert inspect.signature(schedule).parameters["scale_grads"].default is True
+    got = run_on_ranks(uneven_micro_batches, world_size=1)[0]
+    refusals = run_on_ranks(fewer_micro_batches_than_stages, world_size=2)
+    assert all("must be greater than or equal to the number of stages" in r for r in refusals), (
+        refusals)
+    assert got["pieces"] == [3, 3, 2, 2] and got["losses"] == 4, got
+    assert torch.allclose(got["grad"], got["mean_of_means"], atol=1e-6), got
+    assert not torch.allclose(got["grad"], got["whole"], atol=1e-4), got

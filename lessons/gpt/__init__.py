@@ -6,6 +6,7 @@ Defined once here and imported by every lesson script (as nanoGPT keeps ``model.
 - ``model.py``: ``GPTConfig`` (with named sizes, ``GPTConfig.named("tiny" | "gpu", ...)``) and
   ``GPT``, a stack of pre-norm transformer ``Block``s that later lessons split by heads
   (tensor parallel), cut between blocks (pipeline parallel) and wrap block by block (FSDP2);
+  ``GPTStage(model, start, end)`` is a run of its blocks, one stage of a pipeline;
   ``parameter_digest(model)`` fingerprints trained weights exactly;
 - ``data.py``: ``CharDataset``, (input, target) windows of ``text.txt`` (Shakespeare, public
   domain, shipped with the course).
@@ -19,7 +20,16 @@ Tests need no such line: pytest's ``pythonpath`` already holds ``lessons``.
 """
 
 from .data import TEXT_PATH, CharDataset, load_text, train_val_split
-from .model import GPT, MLP, SIZES, Block, CausalSelfAttention, GPTConfig, parameter_digest
+from .model import (
+                    GPT,
+                    MLP,
+                    SIZES,
+                    Block,
+                    CausalSelfAttention,
+                    GPTConfig,
+                    GPTStage,
+                    parameter_digest,
+)
 
 __all__ = [
     "GPT",
@@ -30,6 +40,7 @@ __all__ = [
     "CausalSelfAttention",
     "CharDataset",
     "GPTConfig",
+    "GPTStage",
     "load_text",
     "parameter_digest",
     "train_val_split",

@@ -5,8 +5,9 @@ Built so that the later lessons can cut it without rewriting it:
   (a rank keeps whole heads' output features) and ``out_proj`` is row-parallel; the MLP's
   ``up_proj``/``down_proj`` likewise. ``forward`` reshapes to ``-1`` heads, so a rank holding
   ``n_head / world`` heads runs the same code;
-- pipeline parallel cuts ``GPT.blocks`` (an ``nn.ModuleList``) between blocks. The lm head is not
-  tied to the token embedding, so the first and last stages share no weight;
+- pipeline parallel cuts ``GPT.blocks`` (an ``nn.ModuleList``) between blocks: ``GPTStage`` is
+  one run of blocks, with the embeddings or the head at the ends. The lm head is not tied to the
+  token embedding, so the first and last stages share no weight;
 - FSDP2 wraps each ``Block``, then the whole model.
 """
 
@@ -166,6 +167,37 @@ class GPT(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class GPTStage(nn.Module):
+    """Blocks ``start`` to ``end - 1`` of ``model``: one stage of a pipeline (lesson 07).
+
+    The first stage (``start == 0``) also runs the embeddings, the last (``end == n_layer``) the
+    final norm and the head, so that chaining the stages of a cut computes ``model``'s logits.
+    It keeps the model's own modules, not copies: training a stage trains the model.
+    """
+
+    def __init__(self, model: GPT, start: int, end: int):
+        super().__init__()
+        if not 0 <= start < end <= len(model.blocks):
+            raise ValueError(f"blocks {start} to {end - 1} are not a stage of a model of "
+                             f"{len(model.blocks)} blocks")
+        self.first, self.last = start == 0, end == len(model.blocks)
+        if self.first:
+            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        self.blocks = nn.ModuleList(model.blocks[start:end])
+        if self.last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) on the first stage, else activations (B, T, C); logits (B, T,
+        vocab) from the last stage, else activations."""
+        if self.first:
+            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1],
+                                                                      device=x.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
 
 
 def parameter_digest(model: nn.Module | Mapping[str, torch.Tensor]) -> str:

@@ -100,6 +100,11 @@ COURSE: tuple[Lesson, ...] = (
             "task6_4": "block_plan, parallelize_gpt", "task6_5": "parallelize_2d"},
            (Script("train_tp.py", "torchrun", 2, QUICK,
                    builds_on="05_sharded_data_parallel/train_fsdp.py"),)),
+    Lesson("07_pipeline_parallel", "Pipeline parallel: stages, schedules, torch.pipelining",
+           {"task7_1": "schedule", "task7_2": "StageRunner", "task7_3": "split_gpt",
+            "task7_4": "torch_schedule, torch_step"},
+           (Script("train_pp.py", "torchrun", 2, (*QUICK, "--micro-batches", "2"),
+                   builds_on="03_ddp/train_ddp.py"),)),
 )
 
 

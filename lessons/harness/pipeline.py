@@ -22,13 +22,20 @@ naming what every stuck stage waits for. Communication is taken as free; a forwa
 ``forward_time`` and a backward ``backward_time`` on every stage (even stages: the bubble
 formula's assumption).
 
-The lesson's graded ``schedule()`` is checked with this module, which the tests own.
+The lesson's graded ``schedule()`` is checked with this module, which the tests own. It also
+draws the lesson's pictures of the two schedules:
+
+    python lessons/harness/pipeline.py --write    # docs/assets/pipeline/*.svg, from the simulator
+    python lessons/harness/pipeline.py --check    # exit 1 when a picture is stale
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from xml.sax.saxutils import escape
 
 Action = tuple[str, int]  # ("F", micro_batch) or ("B", micro_batch)
@@ -119,6 +126,28 @@ class Timeline:
         return next(s.end - s.start for s in self.slots if s.kind == "B")
 
 
+def reference_schedule(kind: str, num_stages: int, num_micro_batches: int) -> list[list[Action]]:
+    """The tests' own GPipe and 1F1B, to drive the stage runners independently of the graded
+    ``schedule()``: GPipe runs every forward, then every backward (the last micro-batch first);
+    1F1B warms up with p - s - 1 forwards on stage s, then alternates one forward and one
+    backward, then drains the backwards."""
+    stages = []
+    for stage in range(num_stages):
+        if kind == "gpipe":
+            actions = [("F", m) for m in range(num_micro_batches)]
+            actions += [("B", m) for m in reversed(range(num_micro_batches))]
+        elif kind == "1f1b":
+            warmup = min(num_stages - stage - 1, num_micro_batches)
+            actions = [("F", m) for m in range(warmup)]
+            for i in range(num_micro_batches - warmup):
+                actions += [("F", warmup + i), ("B", i)]
+            actions += [("B", m) for m in range(num_micro_batches - warmup, num_micro_batches)]
+        else:
+            raise ValueError(f"no reference schedule {kind!r}: 'gpipe' or '1f1b'")
+        stages.append(actions)
+    return stages
+
+
 def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> None:
     """Raise :class:`ScheduleError` unless every stage runs each micro-batch's forward and
     backward exactly once, forward first."""
@@ -187,3 +216,44 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
                                  f"{kind}{m} from stage {source}")
             raise Deadlock("deadlock: " + "; ".join(waits))
     return Timeline(tuple(slots), stages, num_micro_batches)
+
+
+PICTURES_DIR = Path(__file__).resolve().parents[2] / "docs" / "assets" / "pipeline"
+# The lesson's pictures: 4 stages, 8 micro-batches, a backward twice as long as a forward.
+PICTURES = {f"{kind}.svg": (kind, 4, 8) for kind in ("gpipe", "1f1b")}
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def pictures() -> dict[str, str]:
+    """Each picture's file name and its SVG, drawn from the reference schedules."""
+    drawn = {}
+    for name, (kind, stages, micro_batches) in PICTURES.items():
+        timeline = simulate(reference_schedule(kind, stages, micro_batches), micro_batches)
+        held = ", ".join(str(timeline.peak_in_flight(s)) for s in range(stages))
+        drawn[name] = timeline.svg(f"{TITLES[kind]}: {stages} stages, {micro_batches} "
+                                   f"micro-batches; activations held per stage: {held}")
+    return drawn
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Draw the lesson's pipeline schedules.")
+    parser.add_argument("--write", action="store_true", help="write docs/assets/pipeline/")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a picture is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, svg in pictures().items():
+        path = PICTURES_DIR / name
+        if args.write:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(svg, encoding="utf-8")
+            print(f"wrote {path}")
+        elif not path.is_file() or path.read_text(encoding="utf-8") != svg:
+            stale.append(name)
+    if args.check and stale:
+        print(f"stale pictures {stale}: run `python lessons/harness/pipeline.py --write`")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

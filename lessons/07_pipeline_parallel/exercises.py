@@ -1,0 +1,157 @@
+"""Lesson 07 exercises: pipeline parallelism. One process per stage, schedules by hand, then
+torch.distributed.pipelining.
+
+Grade with ``pytest lessons/07_pipeline_parallel`` (one task: ``-m task7_1``). Each function's
+docstring is its contract: what it takes, what it returns, and what the test checks.
+
+A pipeline of p stages runs on p ranks: rank s holds stage s. A batch is cut into m equal
+micro-batches; an *action* is ``("F", i)``, the forward of micro-batch i, or ``("B", i)``, its
+backward. Stage s receives each forward's input from stage s - 1 and each backward's gradient
+from stage s + 1, and sends the other way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+from gpt import GPTStage
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+KINDS = ("gpipe", "1f1b")
+
+
+def micro_batches(batch: torch.Tensor, num_micro_batches: int) -> list[torch.Tensor]:
+    """``batch`` cut along its first dimension into ``num_micro_batches`` equal pieces.
+
+    The rule of this lesson: the pieces must be equal, so that the mean of their mean losses is
+    the batch's mean loss; a batch that does not divide is a ``ValueError`` naming both numbers.
+    """
+    if num_micro_batches < 1 or len(batch) % num_micro_batches:
+        raise ValueError(f"a batch of {len(batch)} does not cut into {num_micro_batches} equal "
+                         f"micro-batches: choose a micro-batch count that divides it")
+    return list(batch.chunk(num_micro_batches))
+
+
+# --8<-- [start:schedule]
+def schedule(kind: str, num_stages: int, num_micro_batches: int) -> list[list[tuple[str, int]]]:
+    """Every stage's actions, in the order it runs them: ``result[s]`` is stage s's list.
+
+    - ``"gpipe"``: every forward (micro-batches 0, 1, ..., m - 1), then every backward, last
+      micro-batch first (m - 1, ..., 0): the reverse of the forwards, as autograd would;
+    - ``"1f1b"``: stage s first runs ``min(p - s - 1, m)`` forwards (the warm-up: enough to keep
+      the stages after it busy), then alternates one forward and one backward, oldest
+      micro-batch first, until the forwards run out, then runs the remaining backwards.
+
+    Each stage runs each micro-batch's forward and backward exactly once. An unknown ``kind``,
+    fewer than 1 stage or fewer than 1 micro-batch raise ``ValueError``.
+
+    The test runs your schedules in the lesson's simulator (``harness/pipeline.py``): no
+    deadlock, the bubble (p - 1) / (m + p - 1), and at most m activations in flight per stage
+    for GPipe, p - s for 1F1B.
+    """
+    raise NotImplementedError("task7_1: every stage's actions: GPipe, or 1F1B with a warm-up")
+# --8<-- [end:schedule]
+
+
+# --8<-- [start:StageRunner]
+class StageRunner:
+    """Runs one stage's schedule, sending and receiving with point-to-point operations.
+
+    ``StageRunner(module, stage, num_stages, activation_shape, loss_fn=None, timeout=60.0)``:
+    ``module`` is this rank's stage, ``stage`` its index (this rank's rank), ``activation_shape``
+    the shape of what one micro-batch's forward sends from one stage to the next (for the
+    running example: (micro-batch size, tokens, features)), ``loss_fn(output, target)`` the
+    loss, needed on the last stage only.
+
+    ``step(actions, inputs=None, targets=None)`` runs ``actions`` (this stage's list from
+    ``schedule``) in order. ``inputs`` (first stage) and ``targets`` (last stage) are lists of
+    the m micro-batches. For each action:
+
+    - ``("F", i)``: the input is ``inputs[i]`` on the first stage; any other stage receives it
+      from stage - 1 into a new tensor of ``activation_shape`` and marks it ``requires_grad``.
+      Run the module and keep the input and output for the backward. The last stage computes
+      ``loss_fn(output, targets[i]) / m`` (the m equal micro-batches' mean losses, averaged,
+      are the batch's mean); any other stage sends the output (detached) to stage + 1;
+    - ``("B", i)``: the last stage runs backward from its loss; any other receives the gradient
+      of its output from stage + 1 and runs ``output.backward(gradient)``. Any stage but the
+      first then sends the gradient of its input to stage - 1. Free what was kept for i.
+
+    Sends are ``dist.isend`` (keep the returned work, and wait for all of them before ``step``
+    returns: a send's tensor must stay alive until it is received); receives are ``dist.irecv``
+    followed by ``work.wait(datetime.timedelta(seconds=self.timeout))``. A receive that times out
+    raises ``TimeoutError`` naming this stage, the action, and the stage it waited for: a
+    mismatched schedule then ends with a message, not a hang.
+
+    Also records ``self.timeline``: one ``(kind, i, start, end)`` per action, ``time.perf_counter``
+    seconds around its computation only (not its receives). Returns the last stage's m losses as
+    floats (scaled back up: each micro-batch's own mean loss), an empty list on other stages.
+    Gradients accumulate in the module's parameters; the caller steps the optimizer.
+
+    The test trains 2 and 4 stages of the running example with both schedules and several
+    micro-batch counts against the unsplit model, gives two stages mismatched schedules, and
+    measures the bubble from every stage's timeline.
+    """
+
+    def __init__(self, module: nn.Module, stage: int, num_stages: int,
+                 activation_shape: tuple[int, ...], loss_fn=None, timeout: float = 60.0):
+        raise NotImplementedError("task7_2: keep the module, the stage and what step needs")
+
+    def _receive(self, source: int, what: str) -> torch.Tensor:
+        raise NotImplementedError("task7_2: irecv into a new tensor, wait with a timeout")
+
+    def step(self, actions, inputs=None, targets=None) -> list[float]:
+        raise NotImplementedError("task7_2: run the actions, sending and receiving between stages")
+# --8<-- [end:StageRunner]
+
+
+# --8<-- [start:split_gpt]
+def split_gpt(model: nn.Module, num_stages: int) -> list[GPTStage]:
+    """The running example cut into ``num_stages`` stages of consecutive blocks, with the
+    parameter counts as even as a cut between blocks allows: ``gpt.GPTStage(model, start, end)``
+    for each (it adds the embeddings to the first stage, the final norm and the head to the
+    last, and keeps the model's own modules).
+
+    Count each block's parameters; the first stage's count also includes the embeddings, the
+    last's the final norm and the head. Of every way to cut the blocks into ``num_stages``
+    non-empty runs, take one whose largest stage is smallest (the pipeline runs at the pace of
+    its slowest stage). More stages than blocks raise ``ValueError`` naming both numbers.
+
+    The test checks the stages keep every parameter once, in order, and that no cut has a
+    smaller largest stage; then trains the stages against the unsplit model.
+    """
+    raise NotImplementedError("task7_3: the cut between blocks whose largest stage is smallest")
+# --8<-- [end:split_gpt]
+
+
+# --8<-- [start:torch_schedule]
+def torch_schedule(module: nn.Module, stage: int, num_stages: int, num_micro_batches: int,
+                   loss_fn, device: torch.device, kind: str = "1f1b"):
+    """The same pipeline with ``torch.distributed.pipelining``: wrap ``module`` in a
+    ``PipelineStage(module, stage, num_stages, device)`` and return ``Schedule1F1B`` (or
+    ``ScheduleGPipe`` for ``kind="gpipe"``) over it with ``n_microbatches=num_micro_batches`` and
+    ``loss_fn``. torch cuts the batch, sends and receives, and averages the micro-batches'
+    gradients (``scale_grads=True``, its default).
+
+    The test steps it with ``torch_step`` and compares every stage's parameters with the hand
+    version's and the unsplit model's.
+    """
+    raise NotImplementedError("task7_4: a PipelineStage, and Schedule1F1B or ScheduleGPipe on it")
+# --8<-- [end:torch_schedule]
+
+
+# --8<-- [start:torch_step]
+def torch_step(schedule, stage: int, num_stages: int, inputs: torch.Tensor,
+               targets: torch.Tensor) -> list[float]:
+    """One training step of ``schedule`` on this rank: the first stage passes the whole
+    batch's ``inputs`` (``schedule.step(inputs)``), the last its ``targets`` and a list for the
+    losses (``schedule.step(target=targets, losses=losses)``), a middle stage nothing
+    (``schedule.step()``). With a single stage, both. Returns the last stage's micro-batch
+    losses as floats, an empty list on other stages.
+    """
+    raise NotImplementedError("task7_4: schedule.step with what this stage has")
+# --8<-- [end:torch_step]

@@ -1,0 +1,577 @@
+"""Lesson 07: pipeline parallelism. One process per stage, schedules by hand, then
+torch.distributed.pipelining.
+
+What the lesson rests on, checked on gloo/CPU ranks (and on CUDA where present):
+- a schedule is right when the lesson's simulator (``harness.pipeline``) runs it without a
+  deadlock, with the bubble and the activations in flight the text gives;
+- every stage of a pipeline takes the steps the unsplit model takes on the whole batch;
+- a mismatched pair of schedules ends with an error naming the stage, not a hang;
+- the idle time measured on every stage matches the bubble formula when the stages are even.
+
+The reference is one process on the whole batch, with SGD: a gradient m times too large (or
+1/m) moves the weights m times too far, where Adam would normalise the mistake away.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining  # noqa: F401 - imported here once, so that forked ranks have it
+import torch.nn.functional as F
+from gpt import GPT, GPTConfig, GPTStage
+from torch import nn
+
+from harness.compare import assert_close
+from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
+from harness.launch import start_script
+from harness.pipeline import Deadlock, ScheduleError, reference_schedule, simulate
+from harness.ranks import RankError, group_params, run_on_ranks
+
+LESSON = "07_pipeline_parallel"
+SCRIPT = f"lessons/{LESSON}/train_pp.py"
+# 4 blocks: 2 stages of 2 blocks, or 4 of 1. Biases on: SGD steps on them as on the rest.
+CONFIG = dict(vocab_size=29, block_size=8, n_layer=4, n_head=2, n_embd=16, bias=True)
+BATCH = 8  # sequences per step: 1, 2, 4 or 8 micro-batches
+STEPS = 2
+SGD = {"lr": 0.5}
+# gloo with CPU tensors; CUDA: gloo ranks sharing cuda:0 (p2p on gloo copies through the host).
+GROUPS = group_params(world_sizes=(2, 4), cuda_world_sizes=(2,), nccl_world_sizes=(2, 4))
+CPU_GROUPS = group_params(world_sizes=(2, 4), cuda_world_sizes=(), nccl_world_sizes=(2, 4))
+
+
+@pytest.fixture
+def ex():
+    return load_exercise(LESSON)
+
+
+def untouched(*functions) -> None:
+    """Report a test as not attempted before any rank starts, when a part is still a stub."""
+    for function in functions:
+        raise_if_untouched(function)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def make_gpt(**overrides) -> GPT:
+    return GPT(GPTConfig(**{**CONFIG, **overrides}), seed=0)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"] + 1),
+                           generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@functools.cache
+def one_process(steps: int = STEPS) -> dict:
+    """The unsplit model on the whole batch, SGD: the parameters after each step, the first
+    step's gradients, and its micro-batch losses for each micro-batch count."""
+    model = make_gpt()
+    optimizer = torch.optim.SGD(model.parameters(), **SGD)
+    out = {"states": [], "losses": {}}
+    inputs, targets = batch(0)
+    with torch.no_grad():
+        for m in (1, 2, 4, 8):
+            out["losses"][m] = [model(x, y)[1].item()
+                                for x, y in zip(inputs.chunk(m), targets.chunk(m), strict=True)]
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        model(*batch(step))[1].backward()
+        if step == 0:
+            out["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        out["states"].append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return out
+
+
+def my_stage(model: GPT, stage: int, num_stages: int) -> GPTStage:
+    """The tests' own cut: equal runs of blocks (task7_3 asks for the balanced one)."""
+    per = CONFIG["n_layer"] // num_stages
+    return GPTStage(model, stage * per, (stage + 1) * per)
+
+
+def owned(model: GPT, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters that ``module`` holds, by the model's names."""
+    mine = {id(p) for p in module.parameters()}
+    return {name: p for name, p in model.named_parameters() if id(p) in mine}
+
+
+def assert_trains_like_one_process(results: list[dict], what: str, m: int) -> None:
+    """Every rank's parameters (each its own stage's) against the unsplit model's."""
+    __tracebackhide__ = True
+    reference = one_process()
+    covered = set().union(*(r["states"][0] for r in results))
+    missing = sorted(set(reference["grads"]) - covered)
+    assert not missing, f"{what}: no stage holds {missing[:3]}"
+    for rank, got in enumerate(results):
+        for name, grad in got["grads"].items():
+            if grad is None:
+                raise AssertionError(f"rank {rank}: {what}: {name!r} has no gradient after the "
+                                     f"first step: no backward reached stage {rank}")
+            try:
+                assert_close(grad, reference["grads"][name], f"{what}: the first step's gradient "
+                             f"of {name!r}", rank)
+            except AssertionError as error:
+                ratio = float((grad * reference["grads"][name]).sum()
+                              / (reference["grads"][name] ** 2).sum())
+                hint = (f": it is {ratio:.3g}x the whole batch's. Each micro-batch's mean loss "
+                        f"is divided by m = {m} before its backward, so that the m gradients "
+                        f"add up to the batch's mean" if m > 1 and abs(ratio - m) < 1e-3 * m
+                        else "")
+                raise AssertionError(f"{error}{hint}") from None
+        for step, state in enumerate(got["states"]):
+            for name, tensor in state.items():
+                assert_close(tensor, reference["states"][step][name], f"{what}: {name!r} after "
+                             f"SGD step {step + 1}", rank)
+
+
+# ----------------------------------------------------------------------------- task7_1 schedules
+
+SHAPES = [(1, 1), (2, 1), (2, 4), (3, 5), (4, 4), (4, 8)]  # (stages, micro-batches)
+
+
+@pytest.mark.task7_1
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro_batches", SHAPES, ids=[f"p{p}-m{m}" for p, m in SHAPES])
+def test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text(
+        ex, kind, stages, micro_batches):
+    plan = ex.schedule(kind, stages, micro_batches)
+    call = f"schedule({kind!r}, {stages}, {micro_batches})"
+    assert isinstance(plan, list) and len(plan) == stages, (
+        f"{call} returned {type(plan).__name__} of length {len(plan)}; expected a list with one "
+        f"list of actions per stage")
+    try:
+        timeline = simulate([list(map(tuple, actions)) for actions in plan], micro_batches)
+    except Deadlock as error:
+        raise AssertionError(f"{call} deadlocks: {error}") from None
+    except ScheduleError as error:
+        raise AssertionError(f"{call} is not a schedule: {error}") from None
+    bubble = (stages - 1) / (micro_batches + stages - 1)
+    assert timeline.bubble_fraction() == pytest.approx(bubble), (
+        f"{call}: the stages are idle {timeline.bubble_fraction():.1%} of the time, expected "
+        f"(p - 1) / (m + p - 1) = {bubble:.1%}: a stage waits longer than it must"
+        + ("; 1F1B's stage s warms up with p - s - 1 forwards" if kind == "1f1b" else ""))
+    for stage in range(stages):
+        held = timeline.peak_in_flight(stage)
+        expected = micro_batches if kind == "gpipe" else min(stages - stage, micro_batches)
+        assert held == expected, (
+            f"{call}: stage {stage} holds the activations of up to {held} micro-batches at "
+            f"once, expected {expected}: "
+            + ("GPipe runs every forward before any backward" if kind == "gpipe" else
+               "1F1B's stage s holds at most p - s (after min(p - s - 1, m) warm-up forwards, "
+               "one forward then one backward)"))
+
+
+@pytest.mark.task7_1
+@pytest.mark.parametrize("arguments", [("zero-bubble", 2, 4), ("1f1b", 0, 4), ("gpipe", 2, 0)],
+                         ids=["unknown-kind", "no-stages", "no-micro-batches"])
+def test_schedule_rejects_what_is_not_a_pipeline(ex, arguments):
+    try:
+        got = ex.schedule(*arguments)
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the wrong kind of error is the finding
+        raise AssertionError(f"schedule{arguments} raised {type(error).__name__}: {error}; "
+                             f"raise ValueError") from None
+    raise AssertionError(f"schedule{arguments} returned {got!r:.80}: raise ValueError")
+
+
+# ----------------------------------------------------------------------------- task7_2 the runner
+
+
+def hand_pipeline_run(ctx, kind: str, m: int, steps: int):
+    """This rank's stage of the running example, run by the learner's StageRunner on the
+    tests' own schedule; the stage's parameters after each step and the first step's grads."""
+    ex = load_exercise(LESSON)
+    model = make_gpt().to(ctx.device)
+    stage = my_stage(model, ctx.rank, ctx.world_size)
+    shape = (BATCH // m, CONFIG["block_size"], CONFIG["n_embd"])
+    runner = ex.StageRunner(stage, ctx.rank, ctx.world_size, shape, loss_fn=next_token_loss,
+                            timeout=20.0)
+    optimizer = torch.optim.SGD(stage.parameters(), **SGD)
+    actions = reference_schedule(kind, ctx.world_size, m)[ctx.rank]
+    out = {"states": [], "grads": {}, "losses": None}
+    for step in range(steps):
+        inputs, targets = (t.to(ctx.device).chunk(m) for t in batch(step))
+        optimizer.zero_grad(set_to_none=True)
+        losses = runner.step(actions, inputs=list(inputs), targets=list(targets))
+        if step == 0:
+            out["grads"] = {n: None if p.grad is None else p.grad.clone()
+                            for n, p in owned(model, stage).items()}
+            out["losses"] = losses
+        optimizer.step()
+        out["states"].append({n: p.detach().clone() for n, p in owned(model, stage).items()})
+    return out
+
+
+CASES = [(2, "gpipe", 1), (2, "gpipe", 4), (2, "1f1b", 2), (2, "1f1b", 8), (4, "gpipe", 4),
+         (4, "1f1b", 4), (4, "1f1b", 8)]
+
+
+@pytest.mark.task7_2
+@pytest.mark.parametrize("world,kind,m", CASES, ids=[f"p{w}-{k}-m{m}" for w, k, m in CASES])
+def test_stage_runner_trains_like_one_process(ex, world, kind, m):
+    untouched(ex.StageRunner.step, ex.StageRunner.__init__)
+    results = run_on_ranks(hand_pipeline_run, kind, m, STEPS, world_size=world)
+    assert_trains_like_one_process(results, f"{kind}, {world} stages, {m} micro-batches", m)
+    last = results[-1]["losses"]
+    assert isinstance(last, list) and len(last) == m, (
+        f"the last stage's step returned {last!r:.80}: expected its {m} micro-batch losses")
+    assert_close(torch.tensor(last), torch.tensor(one_process()["losses"][m]),
+                 "the last stage's micro-batch losses (each micro-batch's own mean)", world - 1)
+    for rank, got in enumerate(results[:-1]):
+        assert got["losses"] == [], f"rank {rank}: a stage before the last returned {got['losses']}"
+
+
+@pytest.mark.task7_2
+@pytest.mark.parametrize("group", [g for g in GROUPS if g.values[0][1:] != ("gloo", "cpu")],
+                         ids=lambda g: None)
+def test_stage_runner_on_cuda(ex, group):
+    world, backend, device = group
+    untouched(ex.StageRunner.step)
+    results = run_on_ranks(hand_pipeline_run, "1f1b", 4, STEPS, world_size=world,
+                           backend=backend, device=device)
+    assert_trains_like_one_process(results, f"1f1b on {backend}/{device}", 4)
+
+
+def mismatched_run(ctx):
+    """Stage 0 runs F0 B0 F1 B1, stage 1 runs F0 F1 B0 B1: stage 0 waits for B0's gradient,
+    which stage 1 sends only after F1, which stage 0 sends only after B0."""
+    ex = load_exercise(LESSON)
+    model = make_gpt()
+    stage = my_stage(model, ctx.rank, 2)
+    shape = (BATCH // 2, CONFIG["block_size"], CONFIG["n_embd"])
+    runner = ex.StageRunner(stage, ctx.rank, 2, shape, loss_fn=next_token_loss, timeout=2.0)
+    actions = ([("F", 0), ("B", 0), ("F", 1), ("B", 1)] if ctx.rank == 0
+               else [("F", 0), ("F", 1), ("B", 0), ("B", 1)])
+    inputs, targets = (t.chunk(2) for t in batch(0))
+    started = time.monotonic()
+    try:
+        runner.step(actions, inputs=list(inputs), targets=list(targets))
+    except TimeoutError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+@pytest.mark.task7_2
+def test_mismatched_schedules_end_with_a_timeout_naming_the_stage(ex):
+    """The simulator calls these two schedules a deadlock; on real ranks the runner must turn
+    the wait into a TimeoutError that names its stage, within its timeout (2 s here)."""
+    untouched(ex.StageRunner.step)
+    assert isinstance(pytest.raises(Deadlock, simulate, [
+        [("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]], 2
+    ).value, Deadlock)
+    try:
+        # pg_timeout 8 s: a runner that ignores its own timeout meets gloo's instead.
+        results = run_on_ranks(mismatched_run, world_size=2, pg_timeout=8.0, timeout=30.0)
+    except RankError as error:
+        raise AssertionError(
+            "a mismatched pair of schedules should end in StageRunner's own TimeoutError, "
+            "naming the stage; a rank raised instead (did it wait without "
+            "work.wait(datetime.timedelta(seconds=self.timeout))?):\n"
+            + str(error)[:1500]) from None
+    for rank, got in enumerate(results):
+        assert got["error"] is not None, (
+            f"rank {rank}: the mismatched schedules finished without an error")
+        assert f"stage {rank}" in got["error"], (
+            f"rank {rank}: the TimeoutError should name stage {rank}: {got['error']!r}")
+        assert got["seconds"] < 7, (
+            f"rank {rank}: it took {got['seconds']:.1f} s to give up, with a 2 s timeout")
+    # Whatever the failed sends left behind, the next test gets a fresh group.
+    from harness.ranks import get_pool
+
+    get_pool(2, "gloo", "cpu", 8.0).close()
+
+
+class EvenStage(nn.Module):
+    """A stage whose forward takes 40 ms and backward 80 ms, whatever the machine is doing:
+    sleeps (which need no CPU) around a tiny linear layer."""
+
+    FORWARD, BACKWARD = 0.04, 0.08
+
+    def __init__(self, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        time.sleep(self.FORWARD)
+        return SleepInBackward.apply(self.linear(x.float()), self.BACKWARD)
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def even_pipeline_run(ctx, kind: str, m: int):
+    ex = load_exercise(LESSON)
+    stage = EvenStage(ctx.rank == 0, ctx.rank == ctx.world_size - 1)
+    runner = ex.StageRunner(stage, ctx.rank, ctx.world_size, (2, 4),
+                            loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    data = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(m)]
+    dist.barrier()
+    runner.step(reference_schedule(kind, ctx.world_size, m)[ctx.rank], inputs=data,
+                targets=data)
+    return runner.timeline
+
+
+def measured_bubble(timelines: list[list[tuple]]) -> float:
+    start = min(t[2] for timeline in timelines for t in timeline)
+    end = max(t[3] for timeline in timelines for t in timeline)
+    busy = sum(t[3] - t[2] for timeline in timelines for t in timeline)
+    return 1 - busy / (len(timelines) * (end - start))
+
+
+BUBBLES = [(2, "gpipe", 4), (2, "1f1b", 4), (4, "1f1b", 4)]
+
+
+@pytest.mark.task7_2
+@pytest.mark.parametrize("world,kind,m", BUBBLES, ids=[f"p{w}-{k}-m{m}" for w, k, m in BUBBLES])
+def test_measured_bubble_matches_the_formula(ex, world, kind, m):
+    """Every stage's timeline (its computations' start and end) gathered from every rank: the
+    idle share of all stages' time against (p - 1) / (m + p - 1). The stages sleep through even
+    forwards and backwards, so the machine's load hardly matters; the sends and receives are
+    real."""
+    untouched(ex.StageRunner.step)
+    timelines = run_on_ranks(even_pipeline_run, kind, m, world_size=world)
+    for rank, timeline in enumerate(timelines):
+        kinds = sorted(f"{kind}{i}" for kind, i, _, _ in timeline)
+        assert kinds == sorted(f"{k}{i}" for k in "FB" for i in range(m)), (
+            f"rank {rank}: the timeline should hold one (kind, i, start, end) per action: "
+            f"{timeline!r:.200}")
+    formula = (world - 1) / (m + world - 1)
+    measured = measured_bubble(timelines)
+    assert abs(measured - formula) < 0.06, (
+        f"{kind}, {world} stages, {m} micro-batches: the stages were idle {measured:.1%} of "
+        f"the time; the formula says {formula:.1%}. Does each timeline entry cover the "
+        f"computation only, not the wait for a receive?")
+
+
+# ----------------------------------------------------------------------------- task7_3 the cut
+
+# 5 blocks, embeddings and head as large as 3 blocks each: 3 stages of 2, 1 and 2 blocks (as
+# many blocks in each as can be) leave the middle stage a third as large as the others.
+BIG_ENDS = dict(vocab_size=600, n_layer=5)
+
+
+def stage_sizes(stages) -> list[int]:
+    return [sum(p.numel() for p in stage.parameters()) for stage in stages]
+
+
+def best_largest_stage(model: GPT, num_stages: int) -> int:
+    """The smallest possible largest stage, over every cut between blocks."""
+    sizes = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    sizes[0] += sum(p.numel() for m in (model.tok_emb, model.pos_emb) for p in m.parameters())
+    sizes[-1] += sum(p.numel() for m in (model.ln_f, model.lm_head) for p in m.parameters())
+    n = len(sizes)
+    return min(max(sum(sizes[a:b]) for a, b in itertools.pairwise((0, *cuts, n)))
+               for cuts in itertools.combinations(range(1, n), num_stages - 1))
+
+
+@pytest.mark.task7_3
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 5])
+def test_split_gpt_cuts_between_blocks_as_evenly_as_possible(ex, num_stages):
+    model = make_gpt(**BIG_ENDS)
+    stages = ex.split_gpt(model, num_stages)
+    assert len(stages) == num_stages, f"split_gpt(model, {num_stages}) gave {len(stages)} stages"
+    # Every parameter of the model, once, in order: the stages hold the model's own modules.
+    held = [p for stage in stages for p in stage.parameters()]
+    ids = [id(p) for p in held]
+    own = {id(p): name for name, p in model.named_parameters()}
+    strangers = [i for i in ids if i not in own]
+    assert not strangers, (
+        f"{len(strangers)} of the stages' parameters are not the model's own: keep its "
+        f"modules (model.blocks[i], model.tok_emb, ...), do not copy them")
+    assert sorted(ids) == sorted(own) and len(set(ids)) == len(ids), (
+        f"the stages hold {len(set(ids))} of the model's {len(own)} parameters, "
+        f"{len(ids) - len(set(ids))} twice: every parameter belongs to exactly one stage")
+    order = [own[i] for i in ids]
+    blocks = [int(name.split(".")[1]) for name in order if name.startswith("blocks.")]
+    assert blocks == sorted(blocks), f"the blocks are not in order across the stages: {blocks}"
+    assert order[0].startswith("tok_emb") or order[0].startswith("pos_emb"), (
+        f"the first stage should hold the embeddings first, not {order[0]!r}")
+    assert "lm_head.weight" in {own[id(p)] for p in stages[-1].parameters()}, (
+        "the last stage should hold the head")
+    assert all(isinstance(stage, GPTStage) for stage in stages), (
+        f"split_gpt should return gpt.GPTStage modules, not {type(stages[0]).__name__}")
+    largest, best = max(stage_sizes(stages)), best_largest_stage(model, num_stages)
+    assert largest == best, (
+        f"split_gpt(model, {num_stages}): stages of {stage_sizes(stages)} parameters; the "
+        f"largest is {largest:,} but a cut with {best:,} exists. Count the embeddings with "
+        f"the first block and the final norm and head with the last, then take the cut whose "
+        f"largest stage is smallest (not the one with as many blocks in each)")
+
+
+@pytest.mark.task7_3
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_split_gpt_stages_chained_are_the_model(ex, num_stages):
+    model = make_gpt(**BIG_ENDS)
+    reference = copy.deepcopy(model)
+    stages = ex.split_gpt(model, num_stages)
+    inputs, targets = batch(0)
+    x = inputs
+    for stage in stages:
+        x = stage(x)
+    logits, loss = reference(inputs, targets)
+    assert_close(x, logits, f"{num_stages} stages chained: the logits")
+    next_token_loss(x, targets).backward()
+    loss.backward()
+    want = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name!r} got no gradient through the chained stages"
+        assert_close(p.grad, want[name].grad, f"the gradient of {name!r} through the stages")
+
+
+@pytest.mark.task7_3
+def test_split_gpt_refuses_more_stages_than_blocks(ex):
+    try:
+        ex.split_gpt(make_gpt(), 5)
+    except ValueError as error:
+        assert "4" in str(error) and "5" in str(error), (
+            f"the error should name the 4 blocks and the 5 stages: {error}")
+        return
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the wrong kind of error is the finding
+        raise AssertionError(f"split_gpt(model of 4 blocks, 5) raised {type(error).__name__}: "
+                             f"{error}; check first and raise ValueError naming the 4 blocks "
+                             f"and the 5 stages") from None
+    raise AssertionError("split_gpt(model of 4 blocks, 5) should raise ValueError")
+
+
+# ----------------------------------------------------------------------------- task7_4 torch
+
+
+def torch_pipeline_run(ctx, kind: str, m: int, steps: int):
+    ex = load_exercise(LESSON)
+    model = make_gpt().to(ctx.device)
+    stage = my_stage(model, ctx.rank, ctx.world_size)
+    schedule = ex.torch_schedule(stage, ctx.rank, ctx.world_size, m, next_token_loss,
+                                 ctx.device, kind=kind)
+    optimizer = torch.optim.SGD(stage.parameters(), **SGD)
+    out = {"states": [], "grads": {}, "type": type(schedule).__name__}
+    for step in range(steps):
+        inputs, targets = (t.to(ctx.device) for t in batch(step))
+        optimizer.zero_grad(set_to_none=True)
+        losses = ex.torch_step(schedule, ctx.rank, ctx.world_size, inputs, targets)
+        if step == 0:
+            out["grads"] = {n: None if p.grad is None else p.grad.clone()
+                            for n, p in owned(model, stage).items()}
+            out["losses"] = losses
+        optimizer.step()
+        out["states"].append({n: p.detach().clone() for n, p in owned(model, stage).items()})
+    return out
+
+
+TORCH_CASES = [(2, "1f1b", 4), (2, "gpipe", 2), (4, "1f1b", 4)]
+
+
+@pytest.mark.task7_4
+@pytest.mark.parametrize("world,kind,m", TORCH_CASES,
+                         ids=[f"p{w}-{k}-m{m}" for w, k, m in TORCH_CASES])
+def test_torch_pipelining_trains_like_one_process(ex, world, kind, m):
+    """torch's schedules take the steps of the unsplit model, as the hand-written runner does
+    (task7_2's test holds that one to the same reference)."""
+    untouched(ex.torch_schedule, ex.torch_step)
+    results = run_on_ranks(torch_pipeline_run, kind, m, STEPS, world_size=world, timeout=60)
+    expected = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}[kind]
+    for rank, got in enumerate(results):
+        assert got["type"] == expected, (
+            f"rank {rank}: torch_schedule(kind={kind!r}) made a {got['type']}, not {expected}")
+    assert_trains_like_one_process(results, f"torch's {expected}, {world} stages, {m} "
+                                   f"micro-batches", m)
+    assert_close(torch.tensor(results[-1]["losses"]), torch.tensor(one_process()["losses"][m]),
+                 "the last stage's micro-batch losses from torch_step", world - 1)
+    for rank, got in enumerate(results[:-1]):
+        assert got["losses"] == [], f"rank {rank}: a stage before the last returned losses"
+
+
+# ----------------------------------------------------------------------------- the script
+
+# train_pp.py is lesson 03's train_ddp.py with the model cut into one stage per process, trained
+# with torch's 1F1B schedule. On 2 ranks it must take the steps of one process on the same
+# batches (lesson 00's script; pipelining changes where the model runs, not what it learns).
+TRAIN = ("--epochs", "1", "--train-windows", "64")
+SAME_STEPS = {"rtol": 1e-3, "atol": 2e-4}  # another summation order, AdamW (lesson 03's bound)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_the_launches_first(request):
+    if any("script_run" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("script_run")
+
+
+@pytest.fixture(scope="module")
+def script_run():
+    run = start_script(SCRIPT, *TRAIN, "--micro-batches", "4", launcher="torchrun", nproc=2)
+    yield run
+    run.stop()
+
+
+def one_process_fit(ctx):
+    train = load_lesson_module("03_ddp", "train_ddp")
+    model, result = train.fit(ctx.device, epochs=1, batch_size=16, train_windows=64,
+                              log=lambda *args, **kwargs: None)
+    return {"result": result}
+
+
+@pytest.mark.slow
+def test_script_on_two_stages_trains_what_one_process_trains(script_run):
+    run = script_run.result()
+    reference = run_on_ranks(one_process_fit, world_size=1, timeout=120)[0]["result"]
+    assert (run.data["world_size"], run.data["micro_batches"]) == (2, 4), run.data
+    for key in ("train_loss", "val_loss"):
+        assert_close(torch.tensor(run.data[key]), torch.tensor(reference[key]),
+                     f"2 stages vs one process x 16: {key}", **SAME_STEPS)
+    stages = run.data["stages"]
+    assert [s["stage"] for s in stages] == [0, 1], stages
+    for s in stages:
+        assert s["busy_s"] > 0 and s["idle_s"] >= 0, s
+    printed = [line for line in run.rank_lines(0) if line.startswith("stage ")]
+    assert len(printed) == 2, run.output
+    assert not [line for line in run.rank_lines(1) if line.startswith("stage ")], run.output
+
+
+@pytest.fixture
+def train_script(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    yield load_lesson_module(LESSON, "train_pp")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_script_refuses_more_stages_than_blocks(train_script, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert train_script.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "8 stage(s)" in err[0] and "4 blocks" in err[0], err
+
+
+def test_script_refuses_a_batch_that_does_not_cut_into_micro_batches(train_script, capsys):
+    assert train_script.main(["--batch-size", "10", "--micro-batches", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "10" in err[0] and "4 micro-batches" in err[0], err

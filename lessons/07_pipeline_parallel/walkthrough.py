@@ -1,0 +1,123 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 07 walkthrough: stages, schedules and the bubble
+#
+# Four steps, all on a CPU: cut the running example into stages and check that, chained, they
+# are the model; run the two classic schedules on paper and read their bubble and memory; see
+# a mismatched pair of schedules deadlock, on paper; then train the model as a pipeline of two
+# processes under `torchrun`, started from here as a subprocess.
+
+# %%
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# Works from the repository root (as a script) and from this folder (as a notebook).
+HERE = (Path("lessons/07_pipeline_parallel") if Path("lessons/07_pipeline_parallel").is_dir()
+        else Path("."))
+sys.path.insert(0, str(HERE.parent))  # lessons/, where gpt/ and harness/ live
+from gpt import GPT, SIZES, CharDataset, GPTConfig, GPTStage  # noqa: E402
+
+from harness.pipeline import Deadlock, reference_schedule, simulate  # noqa: E402
+
+# %% [markdown]
+# ## 1. Stages: runs of blocks
+#
+# `GPTStage(model, start, end)` holds blocks `start` to `end - 1` of the model, the embeddings
+# when it starts at block 0 and the head when it ends at the last block. Chained, two stages are
+# the model:
+
+# %%
+dataset = CharDataset(SIZES["tiny"]["block_size"])
+model = GPT(GPTConfig.named("tiny", vocab_size=dataset.vocab_size))
+stages = [GPTStage(model, 0, 2), GPTStage(model, 2, 4)]
+tokens = torch.randint(0, dataset.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+x = tokens
+for stage in stages:
+    x = stage(x)
+    print(f"after a stage: {tuple(x.shape)}")
+print("largest difference from the whole model:", (x - model(tokens)[0]).abs().max().item())
+for stage in stages:
+    print(f"a stage of {len(stage.blocks)} blocks: {sum(p.numel() for p in stage.parameters()):,} "
+          f"parameters")
+
+# %% [markdown]
+# What crosses from the first stage to the second is the (batch, tokens, features) activation
+# printed first: 2 x 8 x 32 numbers here. The two stages hold different numbers of parameters,
+# though they have as many blocks: the embeddings and the head weigh too (task 7_3 balances them).
+
+# %% [markdown]
+# ## 2. Two schedules on paper
+#
+# The course's simulator runs each stage's list of actions (`("F", i)`, `("B", i)`) under the
+# rules real stages follow: a forward waits for the previous stage's output, a backward for the
+# next stage's gradient. A forward takes 1 unit of time, a backward 2.
+
+# %%
+p, m = 4, 8
+for kind in ("gpipe", "1f1b"):
+    timeline = simulate(reference_schedule(kind, p, m), m)
+    held = [timeline.peak_in_flight(s) for s in range(p)]
+    formula = (p - 1) / (m + p - 1)
+    formula = (p - 1) / (m + p - 1)
+    print(f"{kind:5s}: idle {timeline.bubble_fraction():.1%} (formula {formula:.1%}), "
+          f"activations held per stage {held}")
+
+# %% [markdown]
+# The same bubble for both; GPipe holds every micro-batch's activations on every stage, 1F1B at
+# most p - s on stage s. Stage 0's first actions under 1F1B:
+
+# %%
+print(reference_schedule("1f1b", p, m)[0][:8])
+
+# %% [markdown]
+# ## 3. A deadlock, on paper
+#
+# Stage 0 runs F0 B0 F1 B1; stage 1 runs F0 F1 B0 B1. Stage 0 cannot send micro-batch 1 until it
+# has the gradient of micro-batch 0, which stage 1 sends only after micro-batch 1's forward.
+
+# %%
+try:
+    simulate([[("F", 0), ("B", 0), ("F", 1), ("B", 1)],
+              [("F", 0), ("F", 1), ("B", 0), ("B", 1)]], 2)
+except Deadlock as error:
+    print(error)
+
+# %% [markdown]
+# On real ranks this is a hang until the process group's timeout; task 7_2's runner turns it into
+# an error naming the stage within its own, shorter timeout.
+
+# %% [markdown]
+# ## 4. The running example as a pipeline of two processes
+#
+# A notebook kernel is one process: start the stages with `torchrun` in a subprocess (lesson 03
+# explains why). Rank 0 prints, and reports every stage's busy and idle time.
+
+# %%
+command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", str(HERE / "train_pp.py"), "--epochs", "1",
+           "--train-windows", "64"]
+run = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+print(run.stdout)
+assert run.returncode == 0, run.stderr
+
+# %% [markdown]
+# The losses are those of one process on the same 4 batches (lesson 03's script prints 3.9443
+# and 3.7905 too): a pipeline changes where each block runs, not what it computes. The lesson's
+# text shows how this script differs from lesson 03's, and the exercises write the schedules, the
+# stage runner and the balanced cut by hand.
