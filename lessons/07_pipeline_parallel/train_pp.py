@@ -59,7 +59,7 @@ def setup(backend: str = "auto") -> tuple[int, int, torch.device]:
     missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
     if 0 < len(missing) < len(LAUNCHER_VARIABLES):
         raise ValueError(f"the launcher did not set {missing}; start with: "
-                         "torchrun --standalone --nproc-per-node=N train_ddp.py")
+                         "torchrun --standalone --nproc-per-node=N train_pp.py")
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":  # nccl only when every process on this machine has a GPU of its own
@@ -108,7 +108,7 @@ def train_one_epoch(schedule, loader, optimizer, device, bf16: bool = False) -> 
     first, last = dist.get_rank() == 0, dist.get_rank() == dist.get_world_size() - 1
     # Summed where the loss is (a tensor from the first step on): a .item() per step would
     # make the CPU wait for the GPU every step.
-    loss_sum, seen = torch.zeros((), device=device), 0
+    loss_sum, seen = torch.zeros((), device=device), 0  # a tensor on every stage
     for inputs, targets in loader:
         # non_blocking: with pinned memory the copy overlaps with work already queued on the GPU.
         inputs = inputs.to(device, non_blocking=True)
@@ -118,7 +118,7 @@ def train_one_epoch(schedule, loader, optimizer, device, bf16: bool = False) -> 
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):  # each stage gives
             schedule.step(*[inputs] * first, **dict(target=targets, losses=losses) if last else {})
         optimizer.step()  # this stage's parameters only
-        loss_sum += torch.stack(losses).mean().detach() * targets.shape[0] if last else 0
+        loss_sum += torch.stack(losses).mean().detach() * len(targets) if last else 0
         seen += targets.shape[0]
     totals = torch.stack([loss_sum, torch.tensor(float(seen), device=device)])
     dist.broadcast(totals, src=dist.get_world_size() - 1)  # the last stage's numbers, to all
@@ -151,17 +151,16 @@ def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
 
 
 def busy_clock(module, device) -> dict[str, float]:
-    """Seconds ``module`` computes: every forward and backward, from its start to its end."""
-    clock = {"busy": 0.0, "started": 0.0}
+    clock = {"busy": 0.0, "started": 0.0}  # seconds computing: every forward and backward
 
-    def tick(*args) -> None:  # a pre-hook gets (module, inputs), the others one more argument
-        sync(device)  # on a GPU, the device's time: wait for its work first
-        clock["busy"] += 0.0 if len(args) == 2 else time.perf_counter() - clock["started"]
-        clock["started"] = time.perf_counter()
+    def tick(*args) -> None:  # 2 arguments for the pre-hooks, 3 forward's hook, 1 the grads'
+        now = sync(device) or time.perf_counter()  # on a GPU, wait for its work first
+        clock.update(busy=clock["busy"] + (len(args) != 2) * (now - clock["started"]), started=now)
 
     for register in (module.register_forward_pre_hook, module.register_forward_hook,
-                     module.register_full_backward_pre_hook, module.register_full_backward_hook):
+                     module.register_full_backward_pre_hook):
         register(tick)
+    torch.autograd.graph.register_multi_grad_hook(list(module.parameters()), tick)  # ends backward
     return clock
 
 
@@ -281,8 +280,8 @@ def main(argv=None) -> int:
         stages, blocks = int(os.environ.get("WORLD_SIZE", 1)), SIZES[args.size]["n_layer"]
         if blocks % stages or args.batch_size % args.micro_batches or args.micro_batches < stages:
             raise ValueError(f"{stages} stage(s) must split {blocks} blocks evenly, and "
-                             f"{args.micro_batches} micro-batches (>= {stages}) the batch of "
-                             f"{args.batch_size}")
+                             f"{args.micro_batches} micro-batches (one per stage or more) must "
+                             f"divide the batch of {args.batch_size}")
         rank, world_size, device = setup(args.backend)
     except ValueError as err:
         print(f"{Path(__file__).name}: error: {err}", file=sys.stderr)

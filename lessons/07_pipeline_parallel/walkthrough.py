@@ -73,7 +73,6 @@ for kind in ("gpipe", "1f1b"):
     timeline = simulate(reference_schedule(kind, p, m), m)
     held = [timeline.peak_in_flight(s) for s in range(p)]
     formula = (p - 1) / (m + p - 1)
-    formula = (p - 1) / (m + p - 1)
     print(f"{kind:5s}: idle {timeline.bubble_fraction():.1%} (formula {formula:.1%}), "
           f"activations held per stage {held}")
 
