@@ -409,6 +409,9 @@ def test_raise_if_untouched_tells_a_stub_from_an_answer():
     assert task_of(info.value) == "task9_9"
     raise_if_untouched(answer)
     raise_if_untouched(refuses)
+    with pytest.raises(NotImplementedError, match="task9_9"):  # any one of several
+        raise_if_untouched(answer, stub, refuses)
+    raise_if_untouched(answer, refuses)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -659,8 +659,6 @@ def test_gradient_buckets_equal_ddp_and_overlap_backward(group):
 # One epoch over the first 320 windows (of 1010): 20 steps of a global batch of 16, about 0.5 s
 # of training per run; the rest of each launch is starting processes and importing torch.
 TRAIN_ONE_EPOCH = ("--epochs", "1", "--train-windows", "320")
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT")
 # Two runs that take the same steps agree to fp32 rounding, which AdamW then amplifies where a
 # gradient is rounding noise: the key projections' biases get none at all in exact arithmetic
 # (a bias added to every key shifts a query's scores equally, and softmax ignores that: they
@@ -856,13 +854,9 @@ def test_script_reads_its_own_shard_in_a_new_order_every_epoch():
 
 
 @pytest.fixture
-def train_script(monkeypatch):
-    """train_ddp.py, imported, with no launcher variables in the environment."""
-    for name in LAUNCHER_ENV:
-        monkeypatch.delenv(name, raising=False)
-    yield load_lesson_module(LESSON, "train_ddp")
-    if dist.is_initialized():  # a failed check must not leave a group to the next test
-        dist.destroy_process_group()
+def train_script(outside_launcher):
+    """train_ddp.py, imported, to call its main() as plain python would run it."""
+    return load_lesson_module(LESSON, "train_ddp")
 
 
 def usage_error(train, argv: list[str], capsys) -> str:

@@ -1427,13 +1427,9 @@ def test_script_on_a_gpu_trains_what_ddp_trains_on_the_cpu(ddp_reference):
 
 
 @pytest.fixture
-def train_script(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    yield load_lesson_module(LESSON, "train_fsdp")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def train_script(outside_launcher):
+    """train_fsdp.py, imported, to call its main() as plain python would run it."""
+    return load_lesson_module(LESSON, "train_fsdp")
 
 
 def test_script_explains_a_partial_launcher_environment(train_script, monkeypatch, capsys):

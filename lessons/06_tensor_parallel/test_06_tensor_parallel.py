@@ -63,12 +63,6 @@ def ex():
 # ----------------------------------------------------------------------------- shared pieces
 
 
-def untouched(*functions) -> None:
-    """Report a test as not attempted before any rank starts, when a part is still a stub."""
-    for function in functions:
-        raise_if_untouched(function)
-
-
 def make_gpt(**overrides) -> GPT:
     return GPT(GPTConfig(**{**CONFIG, **overrides}), seed=0)
 
@@ -233,7 +227,7 @@ def conjugate_diagnosis(grad: torch.Tensor, expected: torch.Tensor, own: torch.T
 @pytest.mark.parametrize("group", GROUPS)
 def test_copy_to_parallel_sums_the_gradient_in_backward(ex, group, residual):
     world, backend, device = group
-    untouched(ex.CopyToParallel.forward, ex.CopyToParallel.backward)
+    raise_if_untouched(ex.CopyToParallel.forward, ex.CopyToParallel.backward)
     results = run_on_ranks(conjugate_run, "f", residual, world_size=world, backend=backend,
                            device=device)
     total = sum(rank_weights(r, SHAPE) for r in range(world))
@@ -272,7 +266,7 @@ def test_copy_to_parallel_sums_the_gradient_in_backward(ex, group, residual):
 @pytest.mark.parametrize("group", GROUPS)
 def test_reduce_from_parallel_sums_in_forward_only(ex, group):
     world, backend, device = group
-    untouched(ex.ReduceFromParallel.forward, ex.ReduceFromParallel.backward)
+    raise_if_untouched(ex.ReduceFromParallel.forward, ex.ReduceFromParallel.backward)
     results = run_on_ranks(conjugate_run, "g", False, world_size=world, backend=backend,
                            device=device)
     total = sum(rank_weights(100 + r, SHAPE) for r in range(world))
@@ -327,7 +321,7 @@ def pair_diagnosis(got: torch.Tensor, everyone: torch.Tensor) -> str:
 
 @pytest.mark.task6_1
 def test_conjugates_reduce_within_their_group_only(ex):
-    untouched(ex.CopyToParallel.backward, ex.ReduceFromParallel.forward)
+    raise_if_untouched(ex.CopyToParallel.backward, ex.ReduceFromParallel.forward)
     results = run_on_ranks(pair_run, "conjugates", world_size=4)
     for rank, got in enumerate(results):
         mates = [2 * (rank // 2), 2 * (rank // 2) + 1]
@@ -343,7 +337,7 @@ def test_conjugates_reduce_within_their_group_only(ex):
 
 @pytest.mark.task6_2
 def test_split_layers_use_their_group_only(ex):
-    untouched(ex.ColumnParallelLinear.__init__, ex.RowParallelLinear.__init__)
+    raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.RowParallelLinear.__init__)
     results = run_on_ranks(pair_run, "layers", world_size=4)
     column, row = whole_layer(IN, HIDDEN, 0), whole_layer(HIDDEN, OUT, 1)
     for rank, got in enumerate(results):
@@ -444,7 +438,7 @@ def assert_ran(got: dict, rank: int, what: str) -> None:
 @pytest.mark.parametrize("group", GROUPS)
 def test_column_parallel_linear_equals_the_unsplit_layer(ex, group):
     world, backend, device = group
-    untouched(ex.ColumnParallelLinear.__init__, ex.ColumnParallelLinear.forward)
+    raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.ColumnParallelLinear.forward)
     results = run_on_ranks(split_layer_run, "column", world_size=world, backend=backend,
                            device=device)
     layer = whole_layer(IN, HIDDEN, 0)
@@ -486,7 +480,7 @@ def test_column_parallel_linear_equals_the_unsplit_layer(ex, group):
 @pytest.mark.parametrize("group", GROUPS)
 def test_row_parallel_linear_equals_the_unsplit_layer(ex, group):
     world, backend, device = group
-    untouched(ex.RowParallelLinear.__init__, ex.RowParallelLinear.forward)
+    raise_if_untouched(ex.RowParallelLinear.__init__, ex.RowParallelLinear.forward)
     results = run_on_ranks(split_layer_run, "row", world_size=world, backend=backend,
                            device=device)
     layer = whole_layer(HIDDEN, OUT, 1)
@@ -571,7 +565,7 @@ def assert_refused(results, what: str, size: int, world: int) -> None:
     ("ColumnParallelLinear", 8, 6, 6), ("RowParallelLinear", 6, 8, 6)], ids=["column", "row"])
 def test_split_layers_refuse_sizes_that_do_not_divide(ex, builder, in_features, out_features,
                                                        size):
-    untouched(getattr(ex, builder).__init__)
+    raise_if_untouched(getattr(ex, builder).__init__)
     results = run_on_ranks(refused, builder, in_features, out_features, world_size=4)
     assert_refused(results, builder, size, 4)
 
@@ -632,8 +626,8 @@ def assert_collectives(calls, phase: str, rank: int, hint: str) -> None:
 @pytest.mark.parametrize("group", GROUPS)
 def test_tensor_parallel_gpt_trains_like_the_unsplit_model(ex, group):
     world, backend, device = group
-    untouched(ex.tensor_parallel_blocks, ex.TensorParallelAttention.__init__,
-              ex.TensorParallelMLP.__init__)
+    raise_if_untouched(ex.tensor_parallel_blocks, ex.TensorParallelAttention.__init__,
+                       ex.TensorParallelMLP.__init__)
     results = run_on_ranks(hand_tp_run, STEPS, world_size=world, backend=backend, device=device)
     for rank, got in enumerate(results):
         assert got["block_parameters"] == block_parameters(world), (
@@ -673,7 +667,7 @@ def layer_input_grad_run(ctx, layer: str):
 def test_split_attention_and_mlp_give_the_input_its_whole_gradient(ex, layer, world):
     """The check a missing conjugate fails: the input's gradient on each rank is only its own
     slice's part (1/W of the whole, on average), and the message says so."""
-    untouched(ex.TensorParallelAttention.__init__, ex.TensorParallelMLP.__init__)
+    raise_if_untouched(ex.TensorParallelAttention.__init__, ex.TensorParallelMLP.__init__)
     results = run_on_ranks(layer_input_grad_run, layer, world_size=world)
     block = make_gpt().blocks[0]
     part = block.attn if layer == "attn" else block.mlp
@@ -705,7 +699,7 @@ def test_split_attention_and_mlp_give_the_input_its_whole_gradient(ex, layer, wo
 @pytest.mark.task6_3
 def test_split_attention_refuses_heads_that_do_not_divide(ex):
     """6 heads of 4 features on 4 ranks: 24 features split evenly (6 each), heads do not."""
-    untouched(ex.TensorParallelAttention.__init__)
+    raise_if_untouched(ex.TensorParallelAttention.__init__)
     results = run_on_ranks(refused, "TensorParallelAttention", 0, 0, world_size=4,
                            n_head=6, n_embd=24)
     assert_refused(results, "TensorParallelAttention", 6, 4)
@@ -750,7 +744,7 @@ def test_parallelize_gpt_splits_and_trains_as_the_hand_version(ex, group):
     """The same slices on every rank as the hand version keeps, after every step, equal to the
     unsplit model's; and the same collectives: two all-reduces per block each way."""
     world, backend, device = group
-    untouched(ex.parallelize_gpt, ex.block_plan)
+    raise_if_untouched(ex.parallelize_gpt, ex.block_plan)
     results = run_on_ranks(native_tp_run, STEPS, world_size=world, backend=backend,
                            device=device)
     blocks = CONFIG["n_layer"]
@@ -783,7 +777,7 @@ def test_parallelize_gpt_splits_and_trains_as_the_hand_version(ex, group):
 @pytest.mark.task6_4
 def test_parallelize_gpt_refuses_heads_that_do_not_divide(ex):
     """DTensor itself would shard 6 heads' 24 features over 4 ranks as 6 each: 1.5 heads."""
-    untouched(ex.parallelize_gpt)
+    raise_if_untouched(ex.parallelize_gpt)
     results = run_on_ranks(refused, "parallelize_gpt", 0, 0, world_size=4, n_head=6, n_embd=24)
     assert_refused(results, "parallelize_gpt", 6, 4)
 
@@ -836,7 +830,7 @@ def two_d_run(ctx, steps: int):
                                                nccl_world_sizes=(4,)))
 def test_2d_trains_like_one_process_on_the_whole_batch(ex, group):
     world, backend, device = group
-    untouched(ex.parallelize_2d)
+    raise_if_untouched(ex.parallelize_2d)
     results = run_on_ranks(two_d_run, STEPS, world_size=world, backend=backend, device=device,
                            timeout=60)
     for rank, got in enumerate(results):
@@ -892,7 +886,7 @@ def wrong_mesh(ctx):
 
 @pytest.mark.task6_5
 def test_2d_refuses_a_mesh_without_dp_and_tp(ex):
-    untouched(ex.parallelize_2d)
+    raise_if_untouched(ex.parallelize_2d)
     for rank, message in enumerate(run_on_ranks(wrong_mesh, world_size=2)):
         assert message is not None and message.startswith("ValueError"), (
             f"rank {rank}: parallelize_2d on a 1-D mesh gave {message}; raise ValueError "
@@ -995,13 +989,9 @@ def test_script_on_gpus_trains_what_one_process_trains_on_the_cpu(reference, gpu
 
 
 @pytest.fixture
-def train_script(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    yield load_lesson_module(LESSON, "train_tp")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def train_script(outside_launcher):
+    """train_tp.py, imported, to call its main() as plain python would run it."""
+    return load_lesson_module(LESSON, "train_tp")
 
 
 def test_script_refuses_a_tp_degree_that_does_not_fit(train_script, capsys):

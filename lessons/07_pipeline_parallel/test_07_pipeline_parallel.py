@@ -51,12 +51,6 @@ def ex():
     return load_exercise(LESSON)
 
 
-def untouched(*functions) -> None:
-    """Report a test as not attempted before any rank starts, when a part is still a stub."""
-    for function in functions:
-        raise_if_untouched(function)
-
-
 # ----------------------------------------------------------------------------- shared pieces
 
 
@@ -229,7 +223,7 @@ CASES = [(2, "gpipe", 1), (2, "gpipe", 4), (2, "1f1b", 2), (2, "1f1b", 8), (4, "
 @pytest.mark.task7_2
 @pytest.mark.parametrize("world,kind,m", CASES, ids=[f"p{w}-{k}-m{m}" for w, k, m in CASES])
 def test_stage_runner_trains_like_one_process(ex, world, kind, m):
-    untouched(ex.StageRunner.step, ex.StageRunner.__init__)
+    raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
     results = run_on_ranks(hand_pipeline_run, kind, m, STEPS, world_size=world)
     assert_trains_like_one_process(results, f"{kind}, {world} stages, {m} micro-batches", m)
     last = results[-1]["losses"]
@@ -245,7 +239,7 @@ def test_stage_runner_trains_like_one_process(ex, world, kind, m):
 @pytest.mark.parametrize("group", [g for g in GROUPS if g.values[0][1:] != ("gloo", "cpu")])
 def test_stage_runner_on_cuda(ex, group):
     world, backend, device = group
-    untouched(ex.StageRunner.step)
+    raise_if_untouched(ex.StageRunner.step)
     results = run_on_ranks(hand_pipeline_run, "1f1b", 4, STEPS, world_size=world,
                            backend=backend, device=device)
     assert_trains_like_one_process(results, f"1f1b on {backend}/{device}", 4)
@@ -275,7 +269,7 @@ def mismatched_run(ctx):
 def test_mismatched_schedules_end_with_a_timeout_naming_the_stage(ex):
     """The simulator calls these two schedules a deadlock; on real ranks the runner must turn
     the wait into a TimeoutError that names its stage, within its timeout (2 s here)."""
-    untouched(ex.StageRunner.step)
+    raise_if_untouched(ex.StageRunner.step)
     assert isinstance(pytest.raises(Deadlock, simulate, [
         [("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]], 2
     ).value, Deadlock)
@@ -358,7 +352,7 @@ def test_measured_bubble_matches_the_formula(ex, world, kind, m):
     idle share of all stages' time against (p - 1) / (m + p - 1). The stages sleep through even
     forwards and backwards, so the machine's load hardly matters; the sends and receives are
     real."""
-    untouched(ex.StageRunner.step)
+    raise_if_untouched(ex.StageRunner.step)
     timelines = run_on_ranks(even_pipeline_run, kind, m, world_size=world)
     for rank, timeline in enumerate(timelines):
         kinds = sorted(f"{kind}{i}" for kind, i, _, _ in timeline)
@@ -507,7 +501,7 @@ TORCH_CASES = [(2, "1f1b", 4), (2, "gpipe", 2), (4, "1f1b", 4), (4, "gpipe", 4)]
 def test_torch_pipelining_trains_like_one_process(ex, world, kind, m):
     """torch's schedules take the steps of the unsplit model, as the hand-written runner does
     (task7_2's test holds that one to the same reference)."""
-    untouched(ex.torch_schedule, ex.torch_step)
+    raise_if_untouched(ex.torch_schedule, ex.torch_step)
     results = run_on_ranks(torch_pipeline_run, kind, m, STEPS, world_size=world, timeout=60)
     expected = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}[kind]
     for rank, got in enumerate(results):
@@ -586,13 +580,9 @@ def test_script_on_two_gpus_trains_what_one_process_trains_on_the_cpu():
 
 
 @pytest.fixture
-def train_script(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    yield load_lesson_module(LESSON, "train_pp")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def train_script(outside_launcher):
+    """train_pp.py, imported, to call its main() as plain python would run it."""
+    return load_lesson_module(LESSON, "train_pp")
 
 
 def test_script_refuses_more_stages_than_blocks(train_script, monkeypatch, capsys):

@@ -93,16 +93,17 @@ def task_of(exc: BaseException) -> str | None:
     return match.group(1) if match else None
 
 
-def raise_if_untouched(function) -> None:
-    """Raise the stub's own NotImplementedError when ``function`` is still the untouched stub.
+def raise_if_untouched(*functions) -> None:
+    """Raise the stub's own NotImplementedError when one of ``functions`` is still untouched.
 
-    For a fixture that would otherwise start something costly (a ``torchrun`` launch) only to
-    find the stub: the test is then reported as not attempted at once. Reads the source, never
-    calls the function, so a written answer has no side effect here.
+    For a test that would otherwise start something costly (ranks, a ``torchrun`` launch) only
+    to find the stub: the test is then reported as not attempted at once. Reads the source,
+    never calls the functions, so a written answer has no side effect here.
     """
-    message = stub_message(ast.parse(textwrap.dedent(inspect.getsource(function))).body[0])
-    if message is not None and TASK_ID.search(message):
-        raise NotImplementedError(message)
+    for function in functions:
+        message = stub_message(ast.parse(textwrap.dedent(inspect.getsource(function))).body[0])
+        if message is not None and TASK_ID.search(message):
+            raise NotImplementedError(message)
 
 
 def stub_message(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:

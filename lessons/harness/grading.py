@@ -19,6 +19,7 @@ import pytest
 
 from harness.course import COURSE
 from harness.exercises import SOLUTIONS_ENV, solutions_mode, strict_mode, task_of
+from harness.launch import outside_launcher  # noqa: F401 - a fixture for every lesson's tests
 
 LESSON_DIR = re.compile(r"(?:^|/)lessons/(\d\d_[^/]+)/")
 TASK_MARK = re.compile(r"^task\d+_\d+$")

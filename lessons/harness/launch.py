@@ -9,6 +9,10 @@
 ``start_script`` (same arguments) starts a script and returns at once, so that a test module
 can start all its launches together and collect each with ``.result()``.
 
+To call a script's ``main()`` in the test process instead, as plain ``python`` would run it,
+use the ``outside_launcher`` fixture (the grading plugin provides it): no launcher variables in
+the environment, and no process group left behind for the next test.
+
 The script runs in its own process session, so a timeout kills the launcher and every rank it
 started: nothing is left behind. ``torchrun --standalone`` picks a free port itself.
 """
@@ -26,7 +30,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+import torch.distributed as dist
+
 from harness.exercises import REPO_ROOT, TASK_ID
+
+# What torchrun (and torch.distributed.launch) sets for every rank.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+@pytest.fixture
+def outside_launcher(monkeypatch):
+    """The environment of ``python script.py``: none of the launcher's variables; afterwards,
+    no process group (a failed check must not leave one to the next test)."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _torchrun_command() -> list[str]:
