@@ -147,6 +147,22 @@ def short_op(op) -> str:
             }.get(name, name)
 
 
+class CommBytes(CommDebugMode):
+    """torch's CommDebugMode, which counts DTensor's collectives, also recording the bytes of
+    each all-reduce's tensor (a rank's local one): the payload ``harness.collectives`` counts
+    for the hand-written version."""
+
+    def __init__(self):
+        super().__init__()
+        self.all_reduce_bytes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(getattr(func, "_overloadpacket", func))
+        if name.endswith("all_reduce") and args and isinstance(args[0], torch.Tensor):
+            self.all_reduce_bytes.append(args[0].numel() * args[0].element_size())
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def comm_counts(mode: CommDebugMode) -> dict[str, int]:
     counts: dict[str, int] = {}
     for op, count in mode.get_comm_counts().items():
@@ -727,13 +743,14 @@ def native_tp_run(ctx, steps: int):
     for step in range(steps):
         inputs, targets = (t.to(ctx.device) for t in batch(step))
         optimizer.zero_grad(set_to_none=True)
-        with CommDebugMode() as forward:
+        with CommBytes() as forward:
             loss = forward_or_explain(model, inputs, targets, "parallelize_gpt")
-        with CommDebugMode() as backward:
+        with CommBytes() as backward:
             loss.backward()
         optimizer.step()
         if step == 0:
             out["forward"], out["backward"] = comm_counts(forward), comm_counts(backward)
+            out["bytes"] = forward.all_reduce_bytes + backward.all_reduce_bytes
         out["states"].append({name: local(p) for name, p in model.named_parameters()})
     return out
 
@@ -769,6 +786,9 @@ def test_parallelize_gpt_splits_and_trains_as_the_hand_version(ex, group):
                 f"rank {rank}: the backward ran {got['backward'] or 'no collective'}, expected "
                 f"{{'all_reduce': {2 * blocks}}} as in the hand version (one per block for the "
                 f"attention's q, k and v together, one for the MLP){extra}")
+        assert got["bytes"] == [activation_bytes()] * 4 * blocks, (
+            f"rank {rank}: DTensor's all-reduces moved {got['bytes']} bytes each, expected "
+            f"{activation_bytes()} (one activation, as in the hand version)")
     for step, whole in enumerate(one_process()):
         assert_slices_of([r["states"][step] for r in results], whole,
                          f"after SGD step {step + 1}, the local shard of")
