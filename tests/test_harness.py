@@ -573,6 +573,9 @@ def test_pipeline_timeline_draws_every_action():
     labels = [t.text for t in picture.iter(f"{namespace}text")]
     assert sum(label in {f"{k}{m}" for k in "FB" for m in range(4)} for label in labels) == 24
     assert "1F1B, 3 stages, 4 micro-batches" in labels and "stage 2" in labels
+    assert "time (a forward = 1, a backward = 2)" in labels[-1], labels[-1]
+    slower = simulate(one_f_one_b(3, 4), 4, forward_time=2.0, backward_time=3.0)
+    assert "time (a forward = 2, a backward = 3)" in slower.svg()
 
 
 def test_pipeline_pictures_in_the_docs_are_current():

@@ -117,13 +117,14 @@ class Timeline:
                          f'height="{row - 4:.1f}" fill="{fill}" stroke="white"/>')
             parts.append(f'<text x="{x + 4:.1f}" y="{y + row / 2 + 4:.1f}" fill="white">'
                          f'{slot.kind}{slot.micro_batch}</text>')
-        parts.append(f'<text x="{left}" y="{height - 8:.0f}">time (a forward = 1, a backward = '
-                     f'{self._backward_time():g}); idle {self.bubble_fraction():.0%}</text>')
+        parts.append(f'<text x="{left}" y="{height - 8:.0f}">time (a forward = '
+                     f'{self._duration("F"):g}, a backward = {self._duration("B"):g}); idle '
+                     f'{self.bubble_fraction():.0%}</text>')
         parts.append("</svg>")
         return "\n".join(parts) + "\n"
 
-    def _backward_time(self) -> float:
-        return next(s.end - s.start for s in self.slots if s.kind == "B")
+    def _duration(self, kind: str) -> float:
+        return next(s.end - s.start for s in self.slots if s.kind == kind)
 
 
 def reference_schedule(kind: str, num_stages: int, num_micro_batches: int) -> list[list[Action]]:
