@@ -33,7 +33,7 @@ from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import run_script, start_script
+from harness.launch import one_process_fit, run_script, start_script
 from harness.memory import held_bytes
 from harness.ranks import group_params, run_on_ranks
 
@@ -1330,17 +1330,9 @@ def script_runs(tmp_path_factory):
     run.stop()
 
 
-def ddp_script_fit(ctx):
-    """Lesson 03's fit() in a group of one: DDP, one process x 16, one epoch of 320 windows."""
-    train = load_lesson_module("03_ddp", "train_ddp")
-    model, result = train.fit(ctx.device, epochs=1, batch_size=16, train_windows=320,
-                              log=lambda *args, **kwargs: None)
-    return {"state": model.state_dict(), "result": result}
-
-
 @pytest.fixture(scope="module")
 def ddp_reference():
-    return run_on_ranks(ddp_script_fit, world_size=1, timeout=120)[0]
+    return run_on_ranks(one_process_fit, 320, world_size=1, timeout=120)[0]  # DDP, 1 x 16
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import gpu_marks
-from harness.launch import run_script, start_script
+from harness.launch import one_process_fit, run_script, start_script
 from harness.ranks import group_params, run_on_ranks
 
 LESSON = "06_tensor_parallel"
@@ -944,17 +944,9 @@ def script_run(tmp_path_factory):
     run.stop()
 
 
-def one_process_fit(ctx):
-    """Lesson 03's fit() in a group of one: one process x 16, one epoch of 64 windows."""
-    train = load_lesson_module("03_ddp", "train_ddp")
-    model, result = train.fit(ctx.device, epochs=1, batch_size=16, train_windows=64,
-                              log=lambda *args, **kwargs: None)
-    return {"state": model.state_dict(), "result": result}
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return run_on_ranks(one_process_fit, world_size=1, timeout=120)[0]
+    return run_on_ranks(one_process_fit, 64, world_size=1, timeout=120)[0]
 
 
 def assert_trains_like_one_process(data: dict, weights: dict, reference: dict, what: str):

@@ -30,7 +30,7 @@ from torch import nn
 from harness.compare import assert_close
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import run_script, start_script
+from harness.launch import one_process_fit, run_script, start_script
 from harness.pipeline import Deadlock, ScheduleError, reference_schedule, simulate
 from harness.ranks import RankError, get_pool, group_params, run_on_ranks
 
@@ -101,6 +101,24 @@ def owned(model: GPT, module: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters that ``module`` holds, by the model's names."""
     mine = {id(p) for p in module.parameters()}
     return {name: p for name, p in model.named_parameters() if id(p) in mine}
+
+
+def train_stage(model: GPT, stage: nn.Module, step_fn, steps: int) -> dict:
+    """SGD on this rank's ``stage`` for ``steps`` steps; ``step_fn(step)`` runs one step's
+    forwards and backwards (through a pipeline) and returns the last stage's losses. The stage's
+    parameters after each step (by the model's names), its gradients and losses of the first."""
+    optimizer = torch.optim.SGD(stage.parameters(), **SGD)
+    out = {"states": [], "grads": {}, "losses": None}
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        losses = step_fn(step)
+        if step == 0:
+            out["grads"] = {n: None if p.grad is None else p.grad.clone()
+                            for n, p in owned(model, stage).items()}
+            out["losses"] = losses
+        optimizer.step()
+        out["states"].append({n: p.detach().clone() for n, p in owned(model, stage).items()})
+    return out
 
 
 def assert_trains_like_one_process(results: list[dict], what: str, m: int) -> None:
@@ -198,22 +216,15 @@ def hand_pipeline_run(ctx, kind: str, m: int, steps: int):
     shape = (BATCH // m, CONFIG["block_size"], CONFIG["n_embd"])
     runner = ex.StageRunner(stage, ctx.rank, ctx.world_size, shape, loss_fn=next_token_loss,
                             timeout=20.0)
-    optimizer = torch.optim.SGD(stage.parameters(), **SGD)
     actions = reference_schedule(kind, ctx.world_size, m)[ctx.rank]
-    out = {"states": [], "grads": {}, "losses": None}
-    for step in range(steps):
+
+    def one_step(step: int) -> list[float]:
         inputs, targets = (list(t.to(ctx.device).chunk(m)) for t in batch(step))
-        optimizer.zero_grad(set_to_none=True)
         # Each stage gets only what its docstring says it reads.
-        losses = runner.step(actions, inputs=inputs if ctx.rank == 0 else None,
-                             targets=targets if ctx.rank == ctx.world_size - 1 else None)
-        if step == 0:
-            out["grads"] = {n: None if p.grad is None else p.grad.clone()
-                            for n, p in owned(model, stage).items()}
-            out["losses"] = losses
-        optimizer.step()
-        out["states"].append({n: p.detach().clone() for n, p in owned(model, stage).items()})
-    return out
+        return runner.step(actions, inputs=inputs if ctx.rank == 0 else None,
+                           targets=targets if ctx.rank == ctx.world_size - 1 else None)
+
+    return train_stage(model, stage, one_step, steps)
 
 
 CASES = [(2, "gpipe", 1), (2, "gpipe", 4), (2, "1f1b", 2), (2, "1f1b", 8), (4, "gpipe", 4),
@@ -477,19 +488,12 @@ def torch_pipeline_run(ctx, kind: str, m: int, steps: int):
     stage = my_stage(model, ctx.rank, ctx.world_size)
     schedule = ex.torch_schedule(stage, ctx.rank, ctx.world_size, m, next_token_loss,
                                  ctx.device, kind=kind)
-    optimizer = torch.optim.SGD(stage.parameters(), **SGD)
-    out = {"states": [], "grads": {}, "type": type(schedule).__name__}
-    for step in range(steps):
+
+    def one_step(step: int) -> list[float]:
         inputs, targets = (t.to(ctx.device) for t in batch(step))
-        optimizer.zero_grad(set_to_none=True)
-        losses = ex.torch_step(schedule, ctx.rank, ctx.world_size, inputs, targets)
-        if step == 0:
-            out["grads"] = {n: None if p.grad is None else p.grad.clone()
-                            for n, p in owned(model, stage).items()}
-            out["losses"] = losses
-        optimizer.step()
-        out["states"].append({n: p.detach().clone() for n, p in owned(model, stage).items()})
-    return out
+        return ex.torch_step(schedule, ctx.rank, ctx.world_size, inputs, targets)
+
+    return {**train_stage(model, stage, one_step, steps), "type": type(schedule).__name__}
 
 
 TORCH_CASES = [(2, "1f1b", 4), (2, "gpipe", 2), (4, "1f1b", 4), (4, "gpipe", 4)]
@@ -540,17 +544,15 @@ def script_run():
     run.stop()
 
 
-def one_process_fit(ctx):
-    train = load_lesson_module("03_ddp", "train_ddp")
-    model, result = train.fit(ctx.device, epochs=1, batch_size=16, train_windows=64,
-                              log=lambda *args, **kwargs: None)
-    return {"result": result}
+@pytest.fixture(scope="module")
+def reference():
+    """What the script must reproduce: lesson 03's script, one process x 16, 64 windows."""
+    return run_on_ranks(one_process_fit, 64, world_size=1, timeout=120)[0]["result"]
 
 
 @pytest.mark.slow
-def test_script_on_two_stages_trains_what_one_process_trains(script_run):
+def test_script_on_two_stages_trains_what_one_process_trains(script_run, reference):
     run = script_run.result()
-    reference = run_on_ranks(one_process_fit, world_size=1, timeout=120)[0]["result"]
     assert (run.data["world_size"], run.data["micro_batches"]) == (2, 4), run.data
     for key in ("train_loss", "val_loss"):
         assert_close(torch.tensor(run.data[key]), torch.tensor(reference[key]),
@@ -570,9 +572,8 @@ CUDA_VS_CPU = {"rtol": 1e-4, "atol": 1e-5}
 
 @pytest.mark.slow
 @needs_gpus(2, "nccl, 2 stages")
-def test_script_on_two_gpus_trains_what_one_process_trains_on_the_cpu():
+def test_script_on_two_gpus_trains_what_one_process_trains_on_the_cpu(reference):
     run = run_script(SCRIPT, *TRAIN, "--micro-batches", "4", launcher="torchrun", nproc=2)
-    reference = run_on_ranks(one_process_fit, world_size=1, timeout=120)[0]["result"]
     assert (run.data["backend"], run.data["device"]) == ("nccl", "cuda:0"), run.data
     for key in ("train_loss", "val_loss"):
         assert_close(torch.tensor(run.data[key]), torch.tensor(reference[key]),

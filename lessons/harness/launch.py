@@ -33,11 +33,23 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from harness.exercises import REPO_ROOT, TASK_ID
+from harness.exercises import REPO_ROOT, TASK_ID, load_lesson_module
 
 # What torchrun (and torch.distributed.launch) sets for every rank.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT")
+
+
+def one_process_fit(ctx, train_windows: int, batch_size: int = 16) -> dict:
+    """The chain's reference run, on a pooled rank of a group of one: lesson 03's ``fit()``
+    (DDP on one process, the data in one order), one epoch of the first ``train_windows``
+    windows. Later lessons' scripts must take its steps. Returns its trained ``state`` (a plain
+    GPT state dict) and its ``result``. Use it as ``run_on_ranks(one_process_fit, 64,
+    world_size=1)``: a launch of its own would cost seconds."""
+    train = load_lesson_module("03_ddp", "train_ddp")
+    model, result = train.fit(ctx.device, epochs=1, batch_size=batch_size,
+                              train_windows=train_windows, log=lambda *args, **kwargs: None)
+    return {"state": model.state_dict(), "result": result}
 
 
 @pytest.fixture
