@@ -165,6 +165,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # started by torchrun: this lab is about not being there
         rank, _ = start()  # join the group, so the ranks end together and rank 0 speaks
+        # init_process_group can return on one rank before the others have connected to it:
+        # leaving at once would close its sockets under them. A barrier first.
+        dist.barrier()
         if rank == 0:
             verdict = "NOT SHOWN: this lab plays a notebook kernel; run it with python"
             print(f"verdict: {verdict}")
