@@ -216,6 +216,34 @@ def test_ddp_buckets_are_another_copy_of_the_gradients_unless_the_gradients_are_
         dist.destroy_process_group()
 
 
+
+def ddp_buckets_before_and_after_a_step(ctx) -> dict:
+    model = DDP(nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]))
+    sizes = lambda: [b.buffer().numel() * 4 for b in model.reducer._get_zeros_like_grad_buckets()]
+    before = sizes()
+    for _ in range(2):
+        model(torch.randn(2, 512)).sum().backward()
+    params = list(model.parameters())[::-1]
+    assigned = dist._compute_bucket_assignment_by_size(
+        params, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024])[0]
+    return {"before": before, "after": sizes(),
+            "reversed": [sum(params[i].numel() * 4 for i in b) for b in assigned]}
+
+
+def test_ddp_first_bucket_is_1_mib_the_rest_25_and_buckets_are_built_after_the_first_step():
+    """08 README: "It starts with one bucket for everything and, after the first step, builds
+    its buckets in the order the gradients arrived ... the first bucket's limit is 1 MiB
+    (`dist._DEFAULT_FIRST_BUCKET_BYTES`) and every later one's is 25 MiB"."""
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024
+    cap = inspect.signature(DDP).parameters["bucket_cap_mb"].default
+    from torch.nn.parallel import distributed
+
+    assert (cap or getattr(distributed, "_DEFAULT_BUCKET_CAP_MB", None)) == 25
+    got = run_on_ranks(ddp_buckets_before_and_after_a_step, world_size=2)[0]
+    total = 8 * (512 * 512 + 512) * 4
+    assert got["before"] == [total], got["before"]
+    assert got["after"] == got["reversed"] and len(got["after"]) == 2, got
+
 # ----------------------------------------------------------------------------- lesson 06, DTensor
 
 TP_BLOCK = dict(vocab_size=29, block_size=8, n_layer=1, n_head=4, n_embd=16, bias=True)
@@ -426,3 +454,10 @@ def test_torch_pipelining_averages_micro_batches_as_if_they_were_equal():
     assert not got["warnings"], got["warnings"]  # "without a word"
     assert torch.allclose(got["grad"], got["mean_of_means"], atol=1e-6), got
     assert not torch.allclose(got["grad"], got["whole"], atol=1e-4), got
+
+
+def test_ddp_refuses_a_hook_named_like_torchs_bf16_hook_without_cuda_and_nccl():
+    """08 README, hint for task 8_3: "a hook named `bf16_compress_hook`, the name of torch's own,
+    is refused on torch builds without CUDA and NCCL" (and ddp_costs.py renames it for that)."""
+    source = inspect.getsource(DDP._check_comm_hook)
+    assert '"bf16_compress_hook"' in source and "nccl" in source.lower()

@@ -105,6 +105,15 @@ COURSE: tuple[Lesson, ...] = (
             "task7_4": "torch_schedule, torch_step"},
            (Script("train_pp.py", "torchrun", 2, (*QUICK, "--micro-batches", "2"),
                    builds_on="03_ddp/train_ddp.py"),)),
+    Lesson("08_measure_and_choose", "Measure and choose",
+           {"task8_1": "bus_bandwidth, fit_alpha_beta",
+            "task8_2": "predict_allreduce_seconds, ddp_buckets, predict_ddp_comm_seconds",
+            "task8_3": "bf16_compress", "task8_4": "choose_method"},
+           (Script("bench_collectives.py", "torchrun", 2,
+                   ("--max-bytes", "4096", "--iters", "1", "--warmup", "1")),
+            Script("ddp_costs.py", "torchrun", 2,
+                   ("--width", "32", "--blocks", "2", "--context", "16", "--steps", "1",
+                    "--settings", "0")))),
 )
 
 

@@ -1,0 +1,154 @@
+"""Lesson 08 exercises: what communication costs, and which method to choose.
+
+Grade with ``pytest lessons/08_measure_and_choose`` (one task: ``-m task8_1``). Each function's
+docstring is its contract: what it takes, what it returns, and what the test checks.
+
+Sizes are in bytes and times in seconds throughout. A collective's *payload* is the one tensor
+it is about: an all-reduce's tensor, an all-gather's output (the gathered whole), a
+reduce-scatter's input (the whole before scattering), a broadcast's tensor. On W ranks a ring
+all-reduce is a reduce-scatter then an all-gather: 2 (W - 1) steps, in each of which every rank
+sends 1/W of the payload to its neighbour.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+MiB = 1024 * 1024  # DDP's "MB" in bucket_cap_mb is this many bytes
+LINKS = ("nvlink", "pcie")  # between the GPUs of one node: fast, or slow
+METHODS = ("one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp")
+
+
+# --8<-- [start:bus_bandwidth]
+def bus_bandwidth(op: str, num_bytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """``(algorithm bandwidth, bus bandwidth)`` of one collective, in bytes per second.
+
+    The algorithm bandwidth is the payload over the time. The bus bandwidth multiplies it by
+    what a rank of a ring sends per byte of payload: 2 (W - 1) / W for ``"all_reduce"``,
+    (W - 1) / W for ``"all_gather"`` and ``"reduce_scatter"``, 1 for ``"broadcast"``. It is
+    comparable across ops and world sizes, and to the link's own speed (the convention of the
+    standard NCCL benchmarks).
+
+    An op not in ``OPS``, ``seconds <= 0``, ``num_bytes < 0`` or ``world_size < 1`` raise
+    ``ValueError``. The test checks each op at several world sizes.
+    """
+    raise NotImplementedError("task8_1: the payload over the time, times the op's ring factor")
+# --8<-- [end:bus_bandwidth]
+
+
+# --8<-- [start:fit_alpha_beta]
+def fit_alpha_beta(sizes: list[int], seconds: list[float], world_size: int) -> tuple[float, float]:
+    """The link's ``(alpha, beta)`` from measured all-reduce times at one world size.
+
+    The model: an all-reduce of n bytes on a ring of W ranks takes
+    ``t = 2 (W - 1) alpha + 2 (W - 1) / W * n * beta``: ``alpha`` is the latency of one step
+    (seconds), ``beta`` the time per byte on one link (seconds per byte; 1 / beta is the bus
+    bandwidth of large messages). Fit the straight line ``t = a + b n`` to every point by least
+    squares, then read ``alpha`` from ``a`` and ``beta`` from ``b``.
+
+    Fewer than two distinct sizes, lists of different lengths, or ``world_size < 2`` raise
+    ``ValueError``. The test fits points made from known alpha and beta (at W = 2, 3, 4, 8),
+    and noisy points against least squares.
+    """
+    raise NotImplementedError("task8_1: a least-squares line t = a + b n; alpha, beta from a, b")
+# --8<-- [end:fit_alpha_beta]
+
+
+# --8<-- [start:predict_allreduce_seconds]
+def predict_allreduce_seconds(num_bytes: int, world_size: int, alpha: float,
+                              beta: float) -> float:
+    """The time of a ring all-reduce of ``num_bytes`` on ``world_size`` ranks: 2 (W - 1)
+    steps of latency ``alpha``, each sending ``num_bytes / W`` at ``beta`` seconds per byte.
+    On one rank nothing moves: 0.0. The test checks it against ``fit_alpha_beta``'s model."""
+    raise NotImplementedError("task8_2: 2 (W - 1) steps of alpha, each sending n / W bytes")
+# --8<-- [end:predict_allreduce_seconds]
+
+
+# --8<-- [start:ddp_buckets]
+def ddp_buckets(param_bytes: list[int], bucket_cap_bytes: int,
+                first_bucket_bytes: int) -> list[list[int]]:
+    """How DDP groups gradients into buckets: lists of indices into ``param_bytes``.
+
+    ``param_bytes`` is in the order the gradients become ready (for DDP's first buckets:
+    the model's parameters reversed). Walk it in order, adding each parameter to the open
+    bucket; as soon as the bucket holds at least its limit, close it and open the next. The
+    first bucket's limit is ``first_bucket_bytes``, every later one's ``bucket_cap_bytes``. The
+    last bucket takes what is left, however small.
+
+    The test compares your buckets with torch's own assignment
+    (``torch.distributed._compute_bucket_assignment_by_size``) on many size lists.
+    """
+    raise NotImplementedError("task8_2: close a bucket once it holds at least its limit")
+# --8<-- [end:ddp_buckets]
+
+
+# --8<-- [start:predict_ddp_comm_seconds]
+def predict_ddp_comm_seconds(model: nn.Module, world_size: int, alpha: float, beta: float,
+                             bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                             bytes_per_element: int | None = None) -> float:
+    """The communication time of one DDP step of ``model``: one ring all-reduce per bucket.
+
+    The buckets are ``ddp_buckets`` of the parameters that require a gradient, reversed, with
+    limits ``bucket_cap_mb`` and ``first_bucket_mb`` MiB (DDP's defaults: 25 and 1). A
+    communication hook that compresses the gradients sends ``bytes_per_element`` per element
+    (2 for bf16) instead of the parameter's own ``element_size()``; the buckets are formed
+    from the uncompressed sizes, as DDP forms them.
+
+    The test checks it against the sum of ``predict_allreduce_seconds`` over the buckets torch
+    would form, for several models and bucket sizes.
+    """
+    raise NotImplementedError("task8_2: one all-reduce per bucket of the reversed parameters")
+# --8<-- [end:predict_ddp_comm_seconds]
+
+
+# --8<-- [start:bf16_compress]
+# Not named bf16_compress_hook: DDP refuses a hook of that name (torch's own) on torch builds
+# without CUDA and NCCL. No annotations: DDP checks them against the real classes, and
+# ``from __future__ import annotations`` (above) makes them strings.
+def bf16_compress(state, bucket):
+    """A DDP communication hook: the bucket's gradients averaged over the ranks, sent as bf16.
+
+    ``bucket`` is a ``torch.distributed.GradBucket``; return a
+    ``torch.futures.Future[torch.Tensor]``.
+
+    Register it with ``ddp_model.register_comm_hook(state, bf16_compress)``; ``state`` is
+    the process group to average over, or ``None`` for the default group. DDP hands the hook
+    each bucket as soon as its gradients are ready (``bucket.buffer()``: one flat tensor) and
+    waits on the returned future, whose value must be the averaged bucket in the bucket's own
+    dtype. So: cast to bf16, divide by the world size, all-reduce asynchronously, and when that
+    completes, copy the result back into the bucket's buffer and return it.
+
+    The test trains with your hook against the same run without it (SGD, several steps,
+    within bf16's precision) and counts the bytes each all-reduce moves: half of fp32's.
+    """
+    raise NotImplementedError("task8_3: bf16, divided by the world size, all-reduced, copied back")
+# --8<-- [end:bf16_compress]
+
+
+# --8<-- [start:choose_method]
+def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_gpus: int,
+                  gpus_per_node: int, link: str) -> str:
+    """The method of the lesson's decision table, one of ``METHODS``.
+
+    ``model_bytes``: the fp32 weights. Training them with AdamW holds 4 times that (weights,
+    gradients, two moments). ``activation_bytes``: what one GPU's share of the batch saves for
+    the backward. ``link``: how the GPUs of a node are connected, ``"nvlink"`` or ``"pcie"``.
+    In order, the first that fits in ``gpu_memory``:
+
+    1. ``"one device"``, when ``num_gpus`` is 1: 4 x model + activations;
+    2. ``"ddp"``: the same, on every GPU;
+    3. ``"fsdp"``: 4 x model / num_gpus + activations (every GPU keeps a shard);
+    4. the state sharded as in 3 and the activations split ``gpus_per_node`` ways inside a
+       node: ``"tp+fsdp"`` over NVLink, ``"pp+fsdp"`` over PCIe (tensor parallelism waits on
+       an all-reduce in every block; a pipeline only sends activations between stages).
+
+    Nothing fits (or one GPU that is too small): ``ValueError`` saying how many bytes the
+    smallest option needs. Arguments that are not positive, ``gpus_per_node`` that does not
+    divide ``num_gpus``, or an unknown link: ``ValueError``. The test checks the table of cases
+    in the lesson's README.
+    """
+    raise NotImplementedError("task8_4: the first option of the table whose bytes per GPU fit")
+# --8<-- [end:choose_method]

@@ -1,0 +1,224 @@
+"""Lesson 08 exercises: what communication costs, and which method to choose.
+
+Grade with ``pytest lessons/08_measure_and_choose`` (one task: ``-m task8_1``). Each function's
+docstring is its contract: what it takes, what it returns, and what the test checks.
+
+Sizes are in bytes and times in seconds throughout. A collective's *payload* is the one tensor
+it is about: an all-reduce's tensor, an all-gather's output (the gathered whole), a
+reduce-scatter's input (the whole before scattering), a broadcast's tensor. On W ranks a ring
+all-reduce is a reduce-scatter then an all-gather: 2 (W - 1) steps, in each of which every rank
+sends 1/W of the payload to its neighbour.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+MiB = 1024 * 1024  # DDP's "MB" in bucket_cap_mb is this many bytes
+LINKS = ("nvlink", "pcie")  # between the GPUs of one node: fast, or slow
+METHODS = ("one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp")
+
+
+# --8<-- [start:bus_bandwidth]
+def bus_bandwidth(op: str, num_bytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """``(algorithm bandwidth, bus bandwidth)`` of one collective, in bytes per second.
+
+    The algorithm bandwidth is the payload over the time. The bus bandwidth multiplies it by
+    what a rank of a ring sends per byte of payload: 2 (W - 1) / W for ``"all_reduce"``,
+    (W - 1) / W for ``"all_gather"`` and ``"reduce_scatter"``, 1 for ``"broadcast"``. It is
+    comparable across ops and world sizes, and to the link's own speed (the convention of the
+    standard NCCL benchmarks).
+
+    An op not in ``OPS``, ``seconds <= 0``, ``num_bytes < 0`` or ``world_size < 1`` raise
+    ``ValueError``. The test checks each op at several world sizes.
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}: expected one of {OPS}")
+    if seconds <= 0 or num_bytes < 0 or world_size < 1:
+        raise ValueError(f"need seconds > 0, num_bytes >= 0 and world_size >= 1; got "
+                         f"seconds={seconds}, num_bytes={num_bytes}, world_size={world_size}")
+    factors = {"all_reduce": 2 * (world_size - 1) / world_size,
+               "all_gather": (world_size - 1) / world_size,
+               "reduce_scatter": (world_size - 1) / world_size, "broadcast": 1.0}
+    algorithm = num_bytes / seconds
+    return algorithm, algorithm * factors[op]
+# --8<-- [end:bus_bandwidth]
+
+
+# --8<-- [start:fit_alpha_beta]
+def fit_alpha_beta(sizes: list[int], seconds: list[float], world_size: int) -> tuple[float, float]:
+    """The link's ``(alpha, beta)`` from measured all-reduce times at one world size.
+
+    The model: an all-reduce of n bytes on a ring of W ranks takes
+    ``t = 2 (W - 1) alpha + 2 (W - 1) / W * n * beta``: ``alpha`` is the latency of one step
+    (seconds), ``beta`` the time per byte on one link (seconds per byte; 1 / beta is the bus
+    bandwidth of large messages). Fit the straight line ``t = a + b n`` to every point by least
+    squares, then read ``alpha`` from ``a`` and ``beta`` from ``b``.
+
+    Fewer than two distinct sizes, lists of different lengths, or ``world_size < 2`` raise
+    ``ValueError``. The test fits points made from known alpha and beta (at W = 2, 3, 4, 8),
+    and noisy points against least squares.
+    """
+    if len(sizes) != len(seconds):
+        raise ValueError(f"{len(sizes)} sizes but {len(seconds)} times: one time per size")
+    if len(set(sizes)) < 2:
+        raise ValueError(f"a line needs at least two distinct sizes; got {sorted(set(sizes))}")
+    if world_size < 2:
+        raise ValueError(f"an all-reduce on {world_size} rank moves nothing: need world_size >= 2")
+    n = torch.tensor(sizes, dtype=torch.float64)
+    t = torch.tensor(seconds, dtype=torch.float64)
+    n_mean, t_mean = n.mean(), t.mean()
+    b = ((n - n_mean) * (t - t_mean)).sum() / ((n - n_mean) ** 2).sum()
+    a = t_mean - b * n_mean
+    steps = 2 * (world_size - 1)
+    return float(a) / steps, float(b) / (steps / world_size)
+# --8<-- [end:fit_alpha_beta]
+
+
+# --8<-- [start:predict_allreduce_seconds]
+def predict_allreduce_seconds(num_bytes: int, world_size: int, alpha: float,
+                              beta: float) -> float:
+    """The time of a ring all-reduce of ``num_bytes`` on ``world_size`` ranks: 2 (W - 1)
+    steps of latency ``alpha``, each sending ``num_bytes / W`` at ``beta`` seconds per byte.
+    On one rank nothing moves: 0.0. The test checks it against ``fit_alpha_beta``'s model."""
+    if world_size < 1 or num_bytes < 0:
+        raise ValueError(f"need world_size >= 1 and num_bytes >= 0; got {world_size}, "
+                         f"{num_bytes}")
+    steps = 2 * (world_size - 1)
+    return steps * alpha + steps * (num_bytes / world_size) * beta
+# --8<-- [end:predict_allreduce_seconds]
+
+
+# --8<-- [start:ddp_buckets]
+def ddp_buckets(param_bytes: list[int], bucket_cap_bytes: int,
+                first_bucket_bytes: int) -> list[list[int]]:
+    """How DDP groups gradients into buckets: lists of indices into ``param_bytes``.
+
+    ``param_bytes`` is in the order the gradients become ready (for DDP's first buckets:
+    the model's parameters reversed). Walk it in order, adding each parameter to the open
+    bucket; as soon as the bucket holds at least its limit, close it and open the next. The
+    first bucket's limit is ``first_bucket_bytes``, every later one's ``bucket_cap_bytes``. The
+    last bucket takes what is left, however small.
+
+    The test compares your buckets with torch's own assignment
+    (``torch.distributed._compute_bucket_assignment_by_size``) on many size lists.
+    """
+    buckets, current, size = [], [], 0
+    for index, nbytes in enumerate(param_bytes):
+        current.append(index)
+        size += nbytes
+        if size >= (first_bucket_bytes if not buckets else bucket_cap_bytes):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+# --8<-- [end:ddp_buckets]
+
+
+# --8<-- [start:predict_ddp_comm_seconds]
+def predict_ddp_comm_seconds(model: nn.Module, world_size: int, alpha: float, beta: float,
+                             bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                             bytes_per_element: int | None = None) -> float:
+    """The communication time of one DDP step of ``model``: one ring all-reduce per bucket.
+
+    The buckets are ``ddp_buckets`` of the parameters that require a gradient, reversed, with
+    limits ``bucket_cap_mb`` and ``first_bucket_mb`` MiB (DDP's defaults: 25 and 1). A
+    communication hook that compresses the gradients sends ``bytes_per_element`` per element
+    (2 for bf16) instead of the parameter's own ``element_size()``; the buckets are formed
+    from the uncompressed sizes, as DDP forms them.
+
+    The test checks it against the sum of ``predict_allreduce_seconds`` over the buckets torch
+    would form, for several models and bucket sizes.
+    """
+    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    sizes = [p.numel() * p.element_size() for p in params]
+    buckets = ddp_buckets(sizes, int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
+    total = 0.0
+    for bucket in buckets:
+        nbytes = sum(params[i].numel() * (bytes_per_element or params[i].element_size())
+                     for i in bucket)
+        total += predict_allreduce_seconds(nbytes, world_size, alpha, beta)
+    return total
+# --8<-- [end:predict_ddp_comm_seconds]
+
+
+# --8<-- [start:bf16_compress]
+# Not named bf16_compress_hook: DDP refuses a hook of that name (torch's own) on torch builds
+# without CUDA and NCCL. No annotations: DDP checks them against the real classes, and
+# ``from __future__ import annotations`` (above) makes them strings.
+def bf16_compress(state, bucket):
+    """A DDP communication hook: the bucket's gradients averaged over the ranks, sent as bf16.
+
+    ``bucket`` is a ``torch.distributed.GradBucket``; return a
+    ``torch.futures.Future[torch.Tensor]``.
+
+    Register it with ``ddp_model.register_comm_hook(state, bf16_compress)``; ``state`` is
+    the process group to average over, or ``None`` for the default group. DDP hands the hook
+    each bucket as soon as its gradients are ready (``bucket.buffer()``: one flat tensor) and
+    waits on the returned future, whose value must be the averaged bucket in the bucket's own
+    dtype. So: cast to bf16, divide by the world size, all-reduce asynchronously, and when that
+    completes, copy the result back into the bucket's buffer and return it.
+
+    The test trains with your hook against the same run without it (SGD, several steps,
+    within bf16's precision) and counts the bytes each all-reduce moves: half of fp32's.
+    """
+    group = state if state is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(done: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(done.value()[0])
+        return buffer
+
+    return future.then(decompress)
+# --8<-- [end:bf16_compress]
+
+
+# --8<-- [start:choose_method]
+def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_gpus: int,
+                  gpus_per_node: int, link: str) -> str:
+    """The method of the lesson's decision table, one of ``METHODS``.
+
+    ``model_bytes``: the fp32 weights. Training them with AdamW holds 4 times that (weights,
+    gradients, two moments). ``activation_bytes``: what one GPU's share of the batch saves for
+    the backward. ``link``: how the GPUs of a node are connected, ``"nvlink"`` or ``"pcie"``.
+    In order, the first that fits in ``gpu_memory``:
+
+    1. ``"one device"``, when ``num_gpus`` is 1: 4 x model + activations;
+    2. ``"ddp"``: the same, on every GPU;
+    3. ``"fsdp"``: 4 x model / num_gpus + activations (every GPU keeps a shard);
+    4. the state sharded as in 3 and the activations split ``gpus_per_node`` ways inside a
+       node: ``"tp+fsdp"`` over NVLink, ``"pp+fsdp"`` over PCIe (tensor parallelism waits on
+       an all-reduce in every block; a pipeline only sends activations between stages).
+
+    Nothing fits (or one GPU that is too small): ``ValueError`` saying how many bytes the
+    smallest option needs. Arguments that are not positive, ``gpus_per_node`` that does not
+    divide ``num_gpus``, or an unknown link: ``ValueError``. The test checks the table of cases
+    in the lesson's README.
+    """
+    if link not in LINKS:
+        raise ValueError(f"unknown link {link!r}: expected one of {LINKS}")
+    if min(model_bytes, gpu_memory, num_gpus, gpus_per_node) <= 0 or activation_bytes < 0:
+        raise ValueError("sizes and counts must be positive (activation_bytes may be 0)")
+    if num_gpus % gpus_per_node:
+        raise ValueError(f"{num_gpus} GPUs are not whole nodes of {gpus_per_node}")
+    state = 4 * model_bytes
+    if state + activation_bytes <= gpu_memory:
+        return "one device" if num_gpus == 1 else "ddp"
+    if num_gpus == 1:
+        raise ValueError(f"one GPU of {gpu_memory} bytes cannot hold {state + activation_bytes}: "
+                         f"use more GPUs, a smaller batch or activation checkpointing")
+    if state / num_gpus + activation_bytes <= gpu_memory:
+        return "fsdp"
+    smallest = state / num_gpus + activation_bytes / gpus_per_node
+    if smallest <= gpu_memory:
+        return "tp+fsdp" if link == "nvlink" else "pp+fsdp"
+    raise ValueError(f"even split {num_gpus} ways, with activations split {gpus_per_node} ways, "
+                     f"each GPU needs {smallest:.0f} bytes and has {gpu_memory}: use more GPUs, "
+                     f"a smaller batch or activation checkpointing")
+# --8<-- [end:choose_method]

@@ -1,0 +1,18 @@
+"""Buckets the parameters in the model's order; DDP takes them last first, the order in which
+the backward produces their gradients."""
+
+TASK = "task8_2"
+EXPECT = r"last parameter first"
+
+
+def predict_ddp_comm_seconds(model, world_size, alpha, beta, bucket_cap_mb=25.0,
+                             first_bucket_mb=1.0, bytes_per_element=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in params]
+    buckets = ddp_buckets(sizes, int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
+    total = 0.0
+    for bucket in buckets:
+        nbytes = sum(params[i].numel() * (bytes_per_element or params[i].element_size())
+                     for i in bucket)
+        total += predict_allreduce_seconds(nbytes, world_size, alpha, beta)
+    return total
