@@ -461,3 +461,24 @@ def test_ddp_refuses_a_hook_named_like_torchs_bf16_hook_without_cuda_and_nccl():
     is refused on torch builds without CUDA and NCCL" (and ddp_costs.py renames it for that)."""
     source = inspect.getsource(DDP._check_comm_hook)
     assert '"bf16_compress_hook"' in source and "nccl" in source.lower()
+
+
+def test_the_fake_process_group_completes_collectives_without_any_other_rank():
+    """08 README, the methods side by side: "torch's fake process group completes every
+    collective at once, without any other rank (an all-reduce leaves its tensor as it is), so
+    what remains is the computation"."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        tensor = torch.arange(4.0)
+        # World size 2 and no second process: a collective that needed one would never end.
+        dist.all_reduce(tensor, async_op=True).wait()
+        assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
+        gathered = torch.zeros(8)
+        dist.all_gather_into_tensor(gathered, tensor)  # returns too, with no other rank
+        assert gathered.shape == (8,)
+    finally:
+        dist.destroy_process_group()

@@ -337,6 +337,8 @@ def test_choose_method_refuses_nonsense(ex, arguments):
 
 BENCH = f"lessons/{LESSON}/bench_collectives.py"
 COSTS = f"lessons/{LESSON}/ddp_costs.py"
+METHODS = f"lessons/{LESSON}/compare_methods.py"
+TINY = dict(width=32, blocks=2, context=16, batch_size=8)  # compare_methods.py's smallest run
 
 
 @pytest.fixture(scope="module")
@@ -346,11 +348,21 @@ def launches(tmp_path_factory):
                          "--csv", str(folder / "c.csv"), "--plot", str(folder / "c.svg"),
                          launcher="torchrun", nproc=2)
     costs = start_script(COSTS, "--width", "32", "--blocks", "2", "--context", "16",
-                         "--steps", "1", "--trace", str(folder / "trace.json"),
+                         "--steps", "1", "--settings", "0,3,4",
+                         "--trace", str(folder / "trace.json"),
                          launcher="torchrun", nproc=2)
-    yield {"bench": bench, "costs": costs, "folder": folder}
-    bench.stop()
-    costs.stop()
+    methods = start_script(METHODS, *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()],
+                           "--steps", "1", "--csv", str(folder / "m.csv"), timeout=300)
+    yield {"bench": bench, "costs": costs, "methods": methods, "folder": folder}
+    for launch in (bench, costs, methods):
+        launch.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_the_launches_first(request):
+    """The launches run in the background while the rank-pool checks run."""
+    if any("launches" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("launches")
 
 
 @pytest.mark.slow
@@ -376,8 +388,9 @@ def test_collective_benchmark_writes_every_op_and_size(launches):
 @pytest.mark.slow
 def test_ddp_costs_predicts_and_measures_every_setting(launches):
     data = launches["costs"].result().data
-    settings = data["settings"]
-    assert len(settings) == 5, list(settings)
+    settings = data["settings"]  # the default, gradient_as_bucket_view and the bf16 hook
+    assert list(settings) == ["default buckets (25 MiB)", "gradient_as_bucket_view",
+                              "bf16 compression hook"], list(settings)
     for name, numbers in settings.items():
         # At this size the fit is mostly noise: a prediction exists, its sign is not asserted.
         assert math.isfinite(numbers["predicted_s"]) and numbers["step_s"] > 0, (name, numbers)
@@ -419,3 +432,53 @@ def test_ring_factors_of_the_script_are_the_texts():
     for op, world in itertools.product(OPS, (2, 4, 8)):
         assert bench.RING_FACTOR[op](world) == pytest.approx(ring_factor(op, world)), op
 
+
+
+@pytest.mark.slow
+def test_methods_side_by_side_ran_every_method_and_measured_what_they_send_and_keep(launches):
+    rows = launches["methods"].result().data
+    with open(launches["folder"] / "m.csv") as handle:
+        columns = next(csv.reader(handle))
+    assert columns == ["rank", "method", "ranks", "device", "samples_per_s", "step_ms",
+                       "compute_ms", "exposed_comm_ms", "state_bytes", "predicted_state_bytes",
+                       "peak_bytes", "comm_bytes", "predicted_comm_bytes"], columns
+    expected = {"one process", "ddp", "fsdp", "tp", "pp"} | (
+        {"dataparallel"} if torch.cuda.device_count() >= 2 else set())
+    first = {row["method"]: row for row in rows if row["rank"] == 0}
+    assert set(first) == expected, sorted(first)
+    for row in rows:
+        for key in ("samples_per_s", "step_ms", "compute_ms", "exposed_comm_ms", "state_bytes",
+                    "predicted_state_bytes", "comm_bytes", "predicted_comm_bytes"):
+            assert row[key] is not None and row[key] >= 0, (row["method"], key, row)
+    # The payload each method moves per step, from the lessons' formulas, worked out here.
+    config = GPTConfig(vocab_size=65, block_size=TINY["context"], n_layer=TINY["blocks"],
+                       n_head=4, n_embd=TINY["width"])
+    params = GPT(config).num_parameters()
+    activation = TINY["batch_size"] * TINY["context"] * TINY["width"] * 4
+    assert first["one process"]["comm_bytes"] == 0
+    assert first["ddp"]["comm_bytes"] == 4 * params, "DDP: one all-reduce of every gradient"
+    assert first["tp"]["comm_bytes"] == 4 * TINY["blocks"] * activation, (
+        "tensor parallel: 2 all-reduces of (B, T, C) per block forward, 2 backward")
+    assert first["pp"]["comm_bytes"] == activation, "pipeline: stage 0 sends the activations"
+    assert 2 * 4 * params <= first["fsdp"]["comm_bytes"] <= 3 * 4 * params, (
+        "FSDP: an all-gather forward, one backward (not the root's), a reduce-scatter")
+    for row in rows:  # 16 bytes per parameter a rank keeps (lesson 05), within FSDP's padding
+        assert row["state_bytes"] == pytest.approx(row["predicted_state_bytes"], rel=0.02), row
+    assert first["fsdp"]["state_bytes"] < first["ddp"]["state_bytes"] * 0.6
+
+
+def test_compare_methods_refuses_to_run_under_torchrun(outside_launcher, monkeypatch, capsys):
+    from harness.exercises import load_lesson_module
+
+    script = load_lesson_module(LESSON, "compare_methods")
+    monkeypatch.setenv("RANK", "0")
+    assert script.main([]) == 2
+    assert "plain python" in capsys.readouterr().err
+
+
+def test_scaling_refuses_anything_but_two_ranks(outside_launcher, capsys):
+    from harness.exercises import load_lesson_module
+
+    script = load_lesson_module(LESSON, "scaling")
+    assert script.main(["--steps", "1"]) == 2
+    assert "exactly 2 ranks" in capsys.readouterr().err

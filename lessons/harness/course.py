@@ -113,7 +113,14 @@ COURSE: tuple[Lesson, ...] = (
                    ("--max-bytes", "4096", "--iters", "1", "--warmup", "1")),
             Script("ddp_costs.py", "torchrun", 2,
                    ("--width", "32", "--blocks", "2", "--context", "16", "--steps", "1",
-                    "--settings", "0")))),
+                    "--settings", "0")),
+            # It starts torchrun itself, once, for every method.
+            Script("compare_methods.py", smallest=(
+                "--width", "32", "--blocks", "2", "--context", "16", "--batch-size", "8",
+                "--steps", "1", "--methods", "one process,ddp")),
+            Script("scaling.py", "torchrun", 2,
+                   ("--width", "32", "--blocks", "2", "--context", "16", "--batch-size", "4",
+                    "--steps", "1")))),
 )
 
 
