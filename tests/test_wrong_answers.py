@@ -9,9 +9,9 @@ Every file ``tests/wrong_answers/<lesson>/<task>_<what>.py`` is one wrong answer
     def average_gradients(model): ...        # replaces the same-named function in the solution
 
 Each is put into a scratch copy of the course (the reference solution with that one function or
-class replaced) and graded there in learner mode with ``pytest lessons/<lesson> -m <task>``. It
-must fail, with a message that says what is wrong, within the time limit, leaving no process
-behind. A control run per lesson grades the unmodified solution the same way and must pass, so a
+class replaced) and graded there in learner mode with ``pytest lessons/<lesson> -m <task> -x``.
+It must fail, and its first failure (the message a learner reads first) must say what is
+wrong, within the time limit, leaving no process behind. A control run per lesson grades the unmodified solution the same way and must pass, so a
 wrong answer cannot be "caught" by a broken scratch copy. The run ends with a table (each
 test leaves its row in ``user_properties``; tests/conftest.py prints them).
 """
@@ -53,12 +53,17 @@ def read_wrong_answer(path: Path) -> dict:
             if description else ""}
 
 
-def grade_in_scratch(tmp: Path, lesson: str, task: str, exercise_source: str) -> dict:
-    """Grade ``exercise_source`` as the learner's exercises.py for ``task``, in a scratch copy."""
+def grade_in_scratch(tmp: Path, lesson: str, task: str, exercise_source: str,
+                     first_failure: bool = True) -> dict:
+    """Grade ``exercise_source`` as the learner's exercises.py for ``task``, in a scratch copy.
+
+    ``first_failure``: stop at the first failing test (``-x``), as a learner reads the first
+    message first; that message must say what is wrong. The controls run every test."""
     root = scratch_course(tmp / "course")
     (root / "lessons" / lesson / "exercises.py").write_text(exercise_source)
     started = time.monotonic()
-    outcomes = run_lesson_tests(lesson, tmp, "-m", task, root=root, timeout=RUN_TIMEOUT)
+    outcomes = run_lesson_tests(lesson, tmp, "-m", task, *["-x"] * first_failure, root=root,
+                                timeout=RUN_TIMEOUT)
     seconds = time.monotonic() - started
     left = processes_under(root)
     return {"outcomes": outcomes, "seconds": seconds, "left_behind": left}
@@ -76,7 +81,7 @@ def graded(request, tmp_path_factory):
             solution = (SOLUTIONS_DIR / lesson / "exercises.py").read_text()
             runs[("control", lesson)] = pool.submit(
                 grade_in_scratch, tmp_path_factory.mktemp(f"control-{lesson}"), lesson,
-                " or ".join(tasks_of(lesson)), solution)
+                " or ".join(tasks_of(lesson)), solution, first_failure=False)
     for path in WRONG_ANSWERS:
         if path in selected:
             info = read_wrong_answer(path)

@@ -351,6 +351,17 @@ def test_conjugates_reduce_within_their_group_only(ex):
                 raise AssertionError(f"{error}{pair_diagnosis(got[key], everyone)}") from None
 
 
+def bias_hint(extra: torch.Tensor, bias: torch.Tensor, world: int) -> str:
+    """What a row-parallel output that is off by a multiple of the bias says."""
+    bias = bias.detach().expand_as(extra)
+    if torch.allclose(extra, (world - 1) * bias, atol=1e-4):
+        return (f": it has {world - 1} bias(es) too many: every rank added the bias before "
+                f"the all-reduce. Add it once, after")
+    if torch.allclose(extra, -bias, atol=1e-4):
+        return ": the bias is missing"
+    return ""
+
+
 @pytest.mark.task6_2
 def test_split_layers_use_their_group_only(ex):
     raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.RowParallelLinear.__init__)
@@ -372,8 +383,12 @@ def test_split_layers_use_their_group_only(ex):
             f"rank {rank}: a column layer then a row layer, group={mates}: {got['out']}")
         with torch.no_grad():
             expected = row(column(rank_weights(-20 - rank // 2, (3, IN))))
-        assert_close(got["out"], expected, f"a column layer then a row layer, group={mates}",
-                     rank)
+        try:
+            assert_close(got["out"], expected, f"a column layer then a row layer, "
+                         f"group={mates}", rank)
+        except AssertionError as error:
+            raise AssertionError(f"{error}{bias_hint(got['out'] - expected, row.bias, 2)}"
+                                 ) from None
 
 
 # ----------------------------------------------------------------------------- task6_2 layers
@@ -523,14 +538,7 @@ def test_row_parallel_linear_equals_the_unsplit_layer(ex, group):
         try:
             assert_close(got["out"], want["out"], "RowParallelLinear's output", rank)
         except AssertionError as error:
-            extra = got["out"] - want["out"]
-            hint = ""
-            if torch.allclose(extra, (world - 1) * layer.bias.detach().expand_as(extra),
-                              atol=1e-4):
-                hint = (f": it has {world - 1} bias(es) too many: every rank added the bias "
-                        f"before the all-reduce. Add it once, after")
-            elif torch.allclose(extra, -layer.bias.detach().expand_as(extra), atol=1e-4):
-                hint = ": the bias is missing"
+            hint = bias_hint(got["out"] - want["out"], layer.bias, world)
             raise AssertionError(f"{error}{hint}") from None
         assert_close(got["x_grad"], want["x_grad"][:, columns], "the gradient of this rank's "
                      "slice of x", rank)

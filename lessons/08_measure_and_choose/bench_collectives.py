@@ -50,8 +50,9 @@ def start(backend: str) -> tuple[int, int, torch.device]:
     exception")."""
     import torch.distributed.nn  # noqa: F401
 
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if backend == "auto":  # nccl when every local rank can have a GPU of its own
+        backend = "nccl" if 0 < local_ranks <= torch.cuda.device_count() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("--backend nccl needs a GPU on every rank; this machine has none")
     limit = datetime.timedelta(seconds=60)  # a stuck collective becomes an error

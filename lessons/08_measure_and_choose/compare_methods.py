@@ -225,7 +225,9 @@ def worker(args) -> None:
     one-rank method (one process, nn.DataParallel) runs on rank 0 while the others wait."""
     import gc
 
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    # A GPU per rank, or the CPU for every rank (two NCCL ranks cannot share one GPU).
+    use_cuda = args.device != "cpu" and torch.cuda.device_count() >= int(
+        os.environ.get("LOCAL_WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:

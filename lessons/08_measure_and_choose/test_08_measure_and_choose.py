@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.compare import assert_close
 from harness.exercises import LESSONS_DIR, load_exercise, raise_if_untouched
-from harness.launch import start_script
+from harness.hardware import needs_gpus
+from harness.launch import run_script, start_script
 from harness.ranks import RankError, run_on_ranks
 
 LESSON = "08_measure_and_choose"
@@ -312,7 +313,8 @@ def test_choose_method_follows_the_table_of_the_text(ex, case):
     shown = ", ".join(f"{k}={v}" for k, v in arguments.items())
     if case["method"] == "error":
         error = assert_refuses(ex.choose_method, list(arguments.values()),
-                               f"{case['case']}: in the table nothing fits")
+                               f"{case['case']}: in the table nothing fits (each GPU holds "
+                               f"4 x the weights, AdamW's training state, plus activations)")
         assert re.search(r"\d", str(error)), (
             f"{case['case']}: the error {str(error)!r} should say how many bytes are needed")
         return
@@ -482,3 +484,22 @@ def test_scaling_refuses_anything_but_two_ranks(outside_launcher, capsys):
     script = load_lesson_module(LESSON, "scaling")
     assert script.main(["--steps", "1"]) == 2
     assert "exactly 2 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@needs_gpus(2, "nccl, 2 ranks")
+def test_collective_benchmark_on_two_gpus_uses_nccl(tmp_path):
+    run = run_script(BENCH, "--max-bytes", "1048576", "--iters", "2", launcher="torchrun",
+                     nproc=2)
+    assert run.data["backend"] == "nccl", run.data["backend"]
+    assert {r["op"] for r in run.data["rows"]} == set(OPS)
+
+
+@pytest.mark.slow
+@needs_gpus(2, "nccl, 2 ranks, and nn.DataParallel on 2 GPUs")
+def test_methods_side_by_side_on_two_gpus_include_dataparallel_and_peak_memory():
+    rows = run_script(METHODS, *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()],
+                      "--steps", "1", timeout=300).data
+    first = {row["method"]: row for row in rows if row["rank"] == 0}
+    assert "dataparallel" in first and first["ddp"]["device"] == "cuda:0", first
+    assert all(row["peak_bytes"] and row["peak_bytes"] >= row["state_bytes"] for row in rows)

@@ -1,7 +1,7 @@
 """copy_input=False on q, k and v, and no copy_to_parallel in forward: f is missing."""
 
 TASK = "task6_3"
-EXPECT = r"copy_to_parallel \(f\) at the input of the split layers is missing"
+EXPECT = r"In backward only the copies into the split layers all-reduce"
 
 
 class TensorParallelAttention(CausalSelfAttention):
