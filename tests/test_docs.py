@@ -6,6 +6,7 @@ import html
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,33 @@ from harness.exercises import LESSONS_DIR, REPO_ROOT, lesson_names
 LESSONS = lesson_names()
 
 
-@pytest.mark.parametrize("lesson", LESSONS)
-def test_walkthrough_runs_top_to_bottom_as_a_script(lesson):
+WALKTHROUGHS_AT_ONCE = 3  # most of a walkthrough is importing torch and waiting on torchrun
+
+
+def run_walkthrough(lesson: str) -> subprocess.CompletedProcess:
     path = LESSONS_DIR / lesson / "walkthrough.py"
-    run = subprocess.run([sys.executable, str(path)], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=180)
-    assert run.returncode == 0, f"{path.name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    return subprocess.run([sys.executable, str(path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def walkthrough_runs(request):
+    """Every selected walkthrough, started a few at a time; each test collects its own."""
+    selected = [item.callspec.params["lesson"] for item in request.session.items
+                if item.originalname == "test_walkthrough_runs_top_to_bottom_as_a_script"]
+    pool = ThreadPoolExecutor(max_workers=WALKTHROUGHS_AT_ONCE)
+    runs = {lesson: pool.submit(run_walkthrough, lesson) for lesson in selected}
+    yield runs
+    for future in runs.values():
+        future.cancel()
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_walkthrough_runs_top_to_bottom_as_a_script(lesson, walkthrough_runs):
+    run = walkthrough_runs[lesson].result()
+    assert run.returncode == 0, (
+        f"{lesson}/walkthrough.py failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

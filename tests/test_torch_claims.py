@@ -482,3 +482,61 @@ def test_the_fake_process_group_completes_collectives_without_any_other_rank():
         assert gathered.shape == (8,)
     finally:
         dist.destroy_process_group()
+
+
+def test_grad_scaler_defaults_and_what_it_does_after_an_overflow():
+    """08 README, mixed precision: "The scaler multiplies the loss by a scale before backward
+    (65536 at first, torch's default) ... `scaler.step(optimizer)` unscales them and skips the
+    step if any is inf or NaN; `scaler.update()` halves the scale after such an overflow and
+    doubles it after 2000 steps without one"."""
+    defaults = {name: p.default for name, p in
+                inspect.signature(torch.amp.GradScaler).parameters.items()}
+    assert (defaults["init_scale"], defaults["growth_factor"], defaults["backoff_factor"],
+            defaults["growth_interval"]) == (65536.0, 2.0, 0.5, 2000)
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale((weight * torch.tensor([1.0, float("inf")])).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert weight.tolist() == [1.0, 1.0], "the step with an inf gradient was skipped"
+    assert scaler.get_scale() == 32768.0
+    optimizer.zero_grad()
+    (scaler.scale(weight.sum())).backward()
+    assert weight.grad.tolist() == [32768.0, 32768.0], "the gradients are scaled too"
+
+
+def test_compiled_ddp_breaks_its_graph_at_the_buckets_by_default():
+    """08 README: "Dynamo splits the compiled graph at DDP's bucket boundaries
+    (`torch._dynamo.config.optimize_ddp`, on by default)"."""
+    import torch._dynamo
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    assert torch._dynamo.config.optimize_ddp in (True, "ddp_optimizer")
+    documented = " ".join(inspect.getdoc(DDPOptimizer).split())
+    assert "breaks aligning to the boundaries of gradient-allreduce buckets" in documented
+
+
+def profiled_ddp_step(ctx, bucket_cap_mb: float) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = DDP(nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]),
+                bucket_cap_mb=bucket_cap_mb)
+    model(torch.randn(8, 512)).sum().backward()  # the first step: DDP builds its buckets
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(torch.randn(8, 512)).sum().backward()
+    events = prof.events()
+    comms = [e.time_range.start for e in events if "allreduce" in e.name.replace("_", "").lower()]
+    backward = [e.time_range.start for e in events
+                if e.name.startswith("autograd::engine::evaluate_function: AddmmBackward")]
+    # The layers whose backward had not started when the first all-reduce began.
+    return {"all_reduces": len(comms), "layers_after": sum(t > min(comms) for t in backward)}
+
+
+def test_ddp_starts_all_reducing_buckets_before_the_backward_ends():
+    """08 README, overlap: "The script also reports how long before the end of the backward the
+    first all-reduce started ... so the all-reduces do run during the backward"."""
+    got = run_on_ranks(profiled_ddp_step, 1, world_size=2)[0]  # 4 buckets, a layer each
+    assert got["all_reduces"] >= 4 and got["layers_after"] >= 2, got
+    one_bucket = run_on_ranks(profiled_ddp_step, 1000, world_size=2)[0]  # the check can fail:
+    assert one_bucket["layers_after"] == 0, one_bucket  # one bucket waits for every layer

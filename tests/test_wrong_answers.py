@@ -11,8 +11,9 @@ Every file ``tests/wrong_answers/<lesson>/<task>_<what>.py`` is one wrong answer
 Each is put into a scratch copy of the course (the reference solution with that one function or
 class replaced) and graded there in learner mode with ``pytest lessons/<lesson> -m <task> -x``.
 It must fail, and its first failure (the message a learner reads first) must say what is
-wrong, within the time limit, leaving no process behind. A control run per lesson grades the unmodified solution the same way and must pass, so a
-wrong answer cannot be "caught" by a broken scratch copy. The run ends with a table (each
+wrong, within the time limit, leaving no process behind. A control run per lesson grades the
+unmodified solution the same way (every test) and must pass, so a wrong answer cannot be
+"caught" by a broken scratch copy. The run ends with a table (each
 test leaves its row in ``user_properties``; tests/conftest.py prints them).
 """
 

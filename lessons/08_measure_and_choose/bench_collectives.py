@@ -123,7 +123,7 @@ def predict_allreduce_seconds(num_bytes: int, world_size: int, alpha: float,
     return steps * alpha + steps * num_bytes / world_size * beta
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot_collectives(rows: list[dict], path: Path, title: str) -> None:
     """Bus bandwidth per op, and the all-reduce times with the fitted line, as one SVG."""
     import matplotlib
 
@@ -228,8 +228,8 @@ def main(argv=None) -> int:
             print(f"wrote {args.csv}")
         if args.plot and fit:
             try:
-                plot(rows, args.plot, f"{backend}, {world} ranks, {device.type}, torch "
-                                      f"{torch.__version__}")
+                title = f"{backend}, {world} ranks, {device.type}, torch {torch.__version__}"
+                plot_collectives(rows, args.plot, title)
                 print(f"wrote {args.plot}")
             except ImportError:
                 print("no plot: matplotlib is not installed (pip install matplotlib)")

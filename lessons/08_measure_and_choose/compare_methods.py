@@ -299,7 +299,7 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps(gathered))
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot_methods(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -409,8 +409,8 @@ def main(argv=None) -> int:
         print(f"wrote {args.csv}")
     if args.plot:
         try:
-            plot(rows, args.plot, f"{rows[0]['device']}, torch {torch.__version__}, global "
-                                  f"batch {args.batch_size}, {args.width} wide x {args.blocks}")
+            plot_methods(rows, args.plot, f"{rows[0]['device']}, torch {torch.__version__}, "
+                         f"global batch {args.batch_size}, {args.width} wide x {args.blocks}")
             print(f"wrote {args.plot}")
         except ImportError:
             print("no plot: matplotlib is not installed (pip install matplotlib)")

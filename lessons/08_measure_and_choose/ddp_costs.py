@@ -8,8 +8,9 @@
    ``gradient_as_bucket_view``, a bf16 compression hook): read the buckets DDP built, predict
    their all-reduce time from the fit (one ring all-reduce per bucket) plus two copies of the
    gradients (into the buckets and back; none when they are views), and measure the
-   *exposed* communication: the median step time with gradient synchronisation minus the
-   median step time without it (``no_sync``), the steps of the two kinds interleaved.
+   *exposed* communication: the step time with gradient synchronisation minus the step time
+   without it (``no_sync``), the steps of the two kinds interleaved (the median difference of
+   neighbouring steps).
 3. With ``--trace``: profile one step and say when the all-reduces ran against the backward.
 
 The prediction is the time the all-reduces take; the measurement is the part of it the step
@@ -90,7 +91,8 @@ def copy_seconds_per_byte(num_bytes: int, device: torch.device, repeats: int = 5
 
 
 def measure(model: DDP, optimizer, batches, steps: int, device) -> dict:
-    """Median step time with and without gradient synchronisation, the two kinds interleaved."""
+    """Median step times with and without gradient synchronisation, the two kinds interleaved,
+    and the median of their differences: the exposed communication."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step(inputs, targets):
@@ -113,12 +115,13 @@ def measure(model: DDP, optimizer, batches, steps: int, device) -> dict:
                 step(inputs, targets)
         sync()
         times[kind].append(time.perf_counter() - began)
-    # Every rank's times, gathered: a step is as slow as its slowest rank.
-    local = torch.tensor([statistics.median(times["sync"]), statistics.median(times["no_sync"])],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    return {"step_s": float(local[0]), "step_no_sync_s": float(local[1]),
-            "exposed_s": float(local[0] - local[1])}
+    # Every step's slowest rank (a step is as slow as its slowest rank); the exposed time is the
+    # median difference of neighbouring steps, which cancels what drifts during the run.
+    slowest = torch.tensor([times["sync"], times["no_sync"]], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    with_sync, without = slowest.tolist()
+    return {"step_s": statistics.median(with_sync), "step_no_sync_s": statistics.median(without),
+            "exposed_s": statistics.median(a - b for a, b in zip(with_sync, without, strict=True))}
 
 
 def trace_one_step(model: DDP, optimizer, batch, path: Path, device) -> dict:
@@ -153,7 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps of each kind")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--settings", default="all",
                         help="comma-separated indices into the settings (0-based), or all")
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
     # 1. The link, from all-reduces of the sizes DDP's buckets will have.
     sizes = [s for s in (256 * 1024, MiB, 4 * MiB, 16 * MiB, 64 * MiB) if s <= 2 * model_bytes]
     sizes = sizes if len(sizes) >= 2 else [64 * 1024, 256 * 1024]
-    times = [time_collective("all_reduce", s, device, iters=4) for s in sizes]
+    times = [time_collective("all_reduce", s, device, iters=8) for s in sizes]
     alpha, beta = fit_alpha_beta(sizes, times, world)
     # DDP copies each gradient into its bucket (dividing by the world size on the way) and,
     # after the all-reduce, back: two passes over the gradients, unless they are the buckets.
