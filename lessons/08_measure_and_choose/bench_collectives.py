@@ -83,6 +83,12 @@ def _call(op: str, payload: torch.Tensor, piece: torch.Tensor) -> None:
         dist.broadcast(payload, src=0)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously to Python); a CPU has none."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_collective(op: str, num_bytes: int, device: torch.device, iters: int = 5,
                     warmup: int = 2, dtype: torch.dtype = torch.float32) -> float:
     """Seconds one ``op`` of a ``num_bytes`` payload takes: the slowest rank's mean."""
@@ -93,13 +99,12 @@ def time_collective(op: str, num_bytes: int, device: torch.device, iters: int = 
     piece = torch.ones(numel // world, dtype=dtype, device=device)
     for _ in range(warmup):
         _call(op, payload, piece)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    synchronize(device)
     dist.barrier()
     began = time.perf_counter()
     for _ in range(iters):
         _call(op, payload, piece)
-    sync()
+    synchronize(device)
     elapsed = torch.tensor([(time.perf_counter() - began) / iters], dtype=torch.float64,
                            device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

@@ -37,6 +37,7 @@ from bench_collectives import (  # noqa: E402
     fit_alpha_beta,
     predict_allreduce_seconds,
     start,
+    synchronize,
     time_collective,
 )
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -80,20 +81,18 @@ def copy_seconds_per_byte(num_bytes: int, device: torch.device, repeats: int = 5
     """Time per byte of copying a tensor of ``num_bytes`` into another (memory bandwidth)."""
     source = torch.ones(num_bytes // 4, device=device)
     target = torch.empty_like(source)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     target.copy_(source)
-    sync()
+    synchronize(device)
     began = time.perf_counter()
     for _ in range(repeats):
         target.copy_(source)
-    sync()
+    synchronize(device)
     return (time.perf_counter() - began) / repeats / num_bytes
 
 
 def measure(model: DDP, optimizer, batches, steps: int, device) -> dict:
     """Median step times with and without gradient synchronisation, the two kinds interleaved,
     and the median of their differences: the exposed communication."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step(inputs, targets):
         _, loss = model(inputs, targets)
@@ -106,14 +105,14 @@ def measure(model: DDP, optimizer, batches, steps: int, device) -> dict:
         inputs, targets = batches[i % len(batches)]
         kind = "sync" if i % 2 == 0 else "no_sync"
         dist.barrier()
-        sync()
+        synchronize(device)
         began = time.perf_counter()
         if kind == "sync":
             step(inputs, targets)
         else:
             with model.no_sync():
                 step(inputs, targets)
-        sync()
+        synchronize(device)
         times[kind].append(time.perf_counter() - began)
     # Every step's slowest rank (a step is as slow as its slowest rank); the exposed time is the
     # median difference of neighbouring steps, which cancels what drifts during the run.
