@@ -76,8 +76,38 @@ LAUNCH_TIMEOUT = 120.0  # seconds; a launch takes 2-3 s on a 2-core CPU, ~15 s o
 LAUNCHERS = {
     "python": [sys.executable],
     "torchrun": [*_torchrun_command(), "--standalone", "--tee", "3"],
+    # A shell script (a SLURM batch script, run by hand): it starts its launchers itself.
+    "bash": ["bash"],
     "launch": [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--tee", "3"],
 }
+
+
+# In CI ($COURSE_CI_REPORTS set), every launch that ended leaves a line in this file there: the
+# integrity tests then know which lesson scripts the lesson tests already ran, and how it ended.
+LAUNCH_RECORD = "launches.jsonl"
+
+
+def _record_launch(script: Path, launcher: str, returncode: int) -> None:
+    from harness.selfcheck import CI_REPORTS_ENV  # imported here: selfcheck imports much more
+
+    folder = os.environ.get(CI_REPORTS_ENV)
+    if not folder:
+        return
+    line = json.dumps({"script": script.relative_to(REPO_ROOT).as_posix()
+                       if script.is_relative_to(REPO_ROOT) else str(script),
+                       "launcher": launcher, "returncode": returncode})
+    with open(Path(folder) / LAUNCH_RECORD, "a") as record:  # one short write: lines stay whole
+        record.write(line + "\n")
+
+
+def recorded_launches() -> list[dict]:
+    """What :func:`_record_launch` wrote in this CI run (empty outside CI)."""
+    from harness.selfcheck import CI_REPORTS_ENV
+
+    path = Path(os.environ.get(CI_REPORTS_ENV, "/nonexistent")) / LAUNCH_RECORD
+    if not os.environ.get(CI_REPORTS_ENV) or not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class LaunchError(AssertionError):
@@ -106,14 +136,15 @@ class Launch:
 
     def __init__(self, script: str | os.PathLike, *args: str, launcher: str = "python",
                  nproc: int = 1, result: bool = True, timeout: float = LAUNCH_TIMEOUT,
-                 env: dict | None = None, check: bool = True):
+                 env: dict | None = None, check: bool = True, launcher_args: tuple = ()):
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}, not {launcher!r}")
         script = Path(script)
         if not script.is_absolute():
             script = REPO_ROOT / script
-        command = list(LAUNCHERS[launcher])
-        if launcher != "python":
+        self.script, self.launcher = script, launcher
+        command = [*LAUNCHERS[launcher], *launcher_args]  # e.g. ("--max-restarts=1",)
+        if launcher not in ("python", "bash"):
             command.append(f"--nproc-per-node={nproc}")
         command += [str(script), *args]
         self._tmp = tempfile.TemporaryDirectory(prefix="course-launch-")
@@ -159,6 +190,7 @@ class Launch:
         path = self._result_path
         data = json.loads(path.read_text()) if path and path.exists() else None
         self._tmp.cleanup()
+        _record_launch(self.script, self.launcher, self._proc.returncode)
         outcome = LaunchResult(self.command, self._proc.returncode, output, data)
         if self.check and self._proc.returncode != 0:
             stub = _STUB_IN_OUTPUT.search(output)
@@ -224,15 +256,16 @@ def start_script(script: str | os.PathLike, *args: str, **options) -> Launch:
 
 def run_script(script: str | os.PathLike, *args: str, launcher: str = "python", nproc: int = 1,
                result: bool = True, timeout: float = LAUNCH_TIMEOUT, env: dict | None = None,
-               check: bool = True) -> LaunchResult:
-    """Run ``script`` with ``launcher`` ('python', 'torchrun' or 'launch') on ``nproc`` ranks.
+               check: bool = True, launcher_args: tuple = ()) -> LaunchResult:
+    """Run ``script`` with ``launcher`` ('python', 'torchrun', 'launch' or 'bash') on ``nproc``
+    ranks; ``launcher_args`` go to the launcher (``("--max-restarts=1",)``).
 
     With ``result=True`` the script gets ``--result <file>`` and the JSON it writes there is
     returned in ``.data``. With ``check=True`` a non-zero exit raises :class:`LaunchError`
     (or ``NotImplementedError`` when an untouched exercise stub stopped it).
     """
     return Launch(script, *args, launcher=launcher, nproc=nproc, result=result,
-                  timeout=timeout, env=env, check=check).result()
+                  timeout=timeout, env=env, check=check, launcher_args=launcher_args).result()
 
 
 _STUB_IN_OUTPUT = re.compile(r"NotImplementedError: (" + TASK_ID.pattern + r"[^\n]*)")
