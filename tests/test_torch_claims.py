@@ -540,3 +540,76 @@ def test_ddp_starts_all_reducing_buckets_before_the_backward_ends():
     assert got["all_reduces"] >= 4 and got["layers_after"] >= 2, got
     one_bucket = run_on_ranks(profiled_ddp_step, 1000, world_size=2)[0]  # the check can fail:
     assert one_bucket["layers_after"] == 0, one_bucket  # one bucket waits for every layer
+
+
+def test_torchrun_ignores_node_rank_with_a_c10d_rendezvous(caplog):
+    """09 README, two nodes: "with --rdzv-backend=c10d, torchrun ignores --node-rank (it says
+    so) ... the rendezvous numbers the nodes in the order of their ids"."""
+    with caplog.at_level("WARNING"):
+        run.config_from_args(torchrun_args("--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
+                                           "--rdzv-endpoint=127.0.0.1:0"))
+    assert "node_rank is only used for static rdzv_backend" in caplog.text
+    source = inspect.getsource(
+        torch.distributed.elastic.rendezvous.dynamic_rendezvous._DistributedRendezvousOpExecutor)
+    assert "for rank, node in enumerate(sorted(state.participants))" in " ".join(source.split())
+
+
+def test_a_new_dataloader_iterator_draws_a_seed_from_the_global_generator():
+    """09 README, resuming mid-epoch: "every new iterator of a DataLoader draws a seed from the
+    global generator, unless the DataLoader has a generator of its own"."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    iter(DataLoader(range(4)))
+    assert not torch.equal(torch.get_rng_state(), before)
+    before = torch.get_rng_state()
+    iter(DataLoader(range(4), generator=torch.Generator()))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.timeout(120)
+def test_torchruns_store_outlives_a_restart_unless_sharing_is_off():
+    """09 README, restarts: "torchrun keeps one store for every attempt, so a restarted rank can
+    read what a dead one left there ... TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each
+    attempt a fresh one" (pytorch/pytorch#135712)."""
+    from harness.launch import run_script
+
+    probe = REPO_ROOT / "tests" / "probes" / "restart_store.py"
+    runs = {share: run_script(probe, launcher="torchrun", nproc=2, result=False, timeout=90,
+                              launcher_args=("--max-restarts=1",), check=False,
+                              env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": share})
+            for share in ("0", "1")}
+    seen = {share: {line.rsplit(" ", 1)[1] for line in run.output.splitlines()
+                    if "key of the first attempt still there" in line}
+            for share, run in runs.items()}
+    # Shared: the key is still there, or the restarted group failed to start because a rank
+    # read the address a rank of the first attempt had left (it is a race; both happen).
+    stale = "connectFullMesh failed" in runs["0"].output
+    assert seen["0"] == {"True"} or (stale and runs["0"].returncode != 0), runs["0"].output
+    assert seen["1"] == {"False"} and runs["1"].returncode == 0, runs["1"].output
+
+
+def test_distributed_samplers_order_depends_on_seed_and_epoch_not_the_global_generator():
+    """09 README: "the sampler's order is a function of its seed, the epoch, the rank and the
+    world size alone: nothing about it needs saving but the epoch"."""
+    def order(epoch: int, global_seed: int) -> list[int]:
+        torch.manual_seed(global_seed)
+        sampler = DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=True, seed=5)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert order(3, global_seed=0) == order(3, global_seed=1)
+    assert order(3, global_seed=0) != order(4, global_seed=0)
+    assert "g.manual_seed(self.seed + self.epoch)" in inspect.getsource(DistributedSampler.__iter__)
+
+
+def test_torchruns_agent_logs_at_the_level_loglevel_names(monkeypatch):
+    """09 README: "LOGLEVEL=INFO makes torchrun's agent say what it decides; by default it shows
+    warnings and errors only"."""
+    from torch.distributed.elastic.utils.logging import get_logger
+
+    monkeypatch.delenv("LOGLEVEL", raising=False)
+    assert get_logger("course.probe.default").getEffectiveLevel() == 30  # WARNING
+    monkeypatch.setenv("LOGLEVEL", "INFO")
+    assert get_logger("course.probe.info").getEffectiveLevel() == 20  # INFO

@@ -3,9 +3,9 @@
 The grading plugin registers a ``-m taskN_M`` marker for each task listed here, and the
 integrity tests (``tests/``) check each lesson against its entry: the stubs raise exactly these
 task ids, the tests mark them, the README has a hint and a command for each, the docs page shows
-every script and every reference answer, the nav lists the page, and every script runs at the
-size given here. Adding a lesson, a task or a script starts with a line here
-(docs/contributing.md has the steps).
+every script and every reference answer, the nav lists the page, and every script runs (at the
+size given here, unless a lesson test already ran it in the same CI run). Adding a lesson, a
+task or a script starts with a line here (docs/contributing.md has the steps).
 """
 
 from __future__ import annotations
@@ -123,6 +123,16 @@ COURSE: tuple[Lesson, ...] = (
             Script("scaling.py", "torchrun", 2,
                    ("--width", "32", "--blocks", "2", "--context", "16", "--batch-size", "4",
                     "--steps", "1")))),
+    Lesson("09_survive_and_scale_out", "Survive and scale out",
+           {"task9_1": "ResumableSampler, save_training_state, load_training_state",
+            "task9_2": "expand_nodelist, slurm_to_torchrun", "task9_3": "resume_point"},
+           (Script("train_checkpoint.py", "torchrun", 2, QUICK,
+                   builds_on="08_measure_and_choose/train_amp.py"),
+            Script("train_resilient.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
+                   builds_on="09_survive_and_scale_out/train_checkpoint.py"),
+            Script("slurm_args.py", smallest=(
+                "--env", "SLURM_JOB_ID=1", "--env", "SLURM_JOB_NUM_NODES=2",
+                "--env", "SLURM_JOB_NODELIST=node[1-2]", "--env", "SLURM_GPUS_ON_NODE=4")))),
 )
 
 

@@ -1,0 +1,175 @@
+"""Lesson 09 exercises: survive a failure, resume exactly, and start on a cluster.
+
+Grade with ``pytest lessons/09_survive_and_scale_out`` (one task: ``-m task9_1``). Each
+function's docstring is its contract: what it takes, what it returns, and what the test checks.
+
+A checkpoint is one directory, ``<checkpoints>/step-<8 digits>/``, holding ``train.pt``:
+
+    {"model", "optimizer", "scheduler", "scaler"}: the four state dicts
+    "position":   where in the data the run is, e.g. {"epoch": 2, "start": 48, "step": 11}
+    "generators": every rank's random generator states, a list indexed by rank
+
+It is written under ``step-<N>.partial/`` and renamed when whole. ``torch.save`` writes a zip
+archive whose index comes last, so a file cut short by a crash does not open as one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+TRAIN_STATE = "train.pt"
+STEP_DIR = re.compile(r"step-(\d+)")  # a checkpoint's directory name; anything else is not one
+
+
+# --8<-- [start:ResumableSampler]
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start an epoch part-way through.
+
+    ``set_epoch(epoch, start=k)`` makes the next iteration yield this rank's indices of that
+    epoch from the ``k``-th on (``k`` counts this rank's samples already trained on, the same
+    number on every rank); ``__len__`` is what is left. ``set_epoch(epoch)`` starts the epoch at
+    its beginning. The order is the parent's: a function of the seed, the epoch, the rank and
+    the world size alone, which is what makes skipping ahead exact. ``start`` below 0 or above
+    the rank's share raises ``ValueError``.
+
+    The test checks that a resumed epoch yields exactly the rest of an uninterrupted one.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        raise NotImplementedError("task9_1: the parent's set_epoch, and remember the start")
+
+    def __iter__(self) -> Iterator[int]:
+        raise NotImplementedError("task9_1: the parent's order, from the start-th index on")
+
+    def __len__(self) -> int:
+        raise NotImplementedError("task9_1: this rank's samples left in the epoch")
+# --8<-- [end:ResumableSampler]
+
+
+def rng_state() -> dict:
+    """This process's generator states: torch's CPU one, Python's, and CUDA's once in use."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --8<-- [start:save_training_state]
+def save_training_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, scaler,
+                        position: Mapping) -> None:
+    """Write the checkpoint directory ``path`` (the layout above); every rank calls it.
+
+    ``model`` is the bare module (for DDP, ``ddp_model.module``: the wrapper's keys carry a
+    ``module.`` prefix that a plain model does not load). ``position`` is saved as given. The
+    generators differ from rank to rank (each draws its own dropout masks): gather every
+    rank's :func:`rng_state` to rank 0 (``dist.all_gather_object``), which writes the file.
+
+    Atomic: rank 0 writes into ``<path>.partial/`` (removed first if an earlier crash left one)
+    and renames that directory to ``path`` once the file is whole; no rank returns before
+    then. A crash at any moment leaves the earlier checkpoints as they were and no ``path``.
+
+    The test trains, saves, and crashes a save half-way (``torch.save`` fails after writing
+    part of its file), then looks at what is on disk.
+    """
+    raise NotImplementedError("task9_1: gather generators; rank 0 writes <path>.partial, renames")
+# --8<-- [end:save_training_state]
+
+
+# --8<-- [start:load_training_state]
+def load_training_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, scaler,
+                        map_location: str | torch.device = "cpu") -> dict:
+    """Restore what :func:`save_training_state` wrote into these objects; return the position.
+
+    Every rank calls it and loads ``train.pt`` with ``map_location`` (this rank's device: a
+    file saved from cuda:0 must not land on rank 1's cuda:0), restores the model, the
+    optimizer, the scheduler and the scaler, and its own generators (:func:`set_rng_state`
+    with the entry of its rank). A checkpoint written by a different number of ranks raises
+    ``ValueError`` naming both numbers (its generators belong to ranks that do not exist now;
+    resharding is what ``torch.distributed.checkpoint`` is for).
+
+    The test resumes a run and checks each piece, then the parameters after more steps:
+    bitwise equal to a run that never stopped.
+    """
+    raise NotImplementedError("task9_1: train.pt with map_location; this rank's own generators")
+# --8<-- [end:load_training_state]
+
+
+# --8<-- [start:expand_nodelist]
+def expand_nodelist(nodelist: str) -> list[str]:
+    """The host names of a SLURM node list, in order: ``"node[01-03,07],gpu5"`` gives
+    ``["node01", "node02", "node03", "node07", "gpu5"]``.
+
+    Commas separate hosts, except inside brackets; a bracket holds numbers and ranges
+    ``a-b``, and a range keeps the width of its first number (``[08-10]``: 08, 09, 10). A name
+    with several brackets expands to every combination (``r[1-2]n[1-2]``: r1n1, r1n2, r2n1,
+    r2n2), as ``scontrol show hostnames`` does. An unclosed bracket, an empty list or a range
+    that runs backwards raises ``ValueError``.
+    """
+    raise NotImplementedError("task9_2: split at commas outside brackets; keep the widths")
+# --8<-- [end:expand_nodelist]
+
+
+# --8<-- [start:slurm_to_torchrun]
+def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None) -> list[str]:
+    """The arguments for ``torchrun`` on one node of a SLURM job, from that node's environment.
+
+    The job runs one torchrun per node (``srun --ntasks-per-node=1 torchrun ...``); each
+    starts that node's processes. Returns, in this order::
+
+        --nnodes=<SLURM_JOB_NUM_NODES>  --nproc-per-node=<GPUs on this node>
+        --rdzv-id=<SLURM_JOB_ID>  --rdzv-backend=c10d  --rdzv-endpoint=<first host>:<port>
+
+    - the first host of ``SLURM_JOB_NODELIST`` (expanded) is the endpoint on every node: all
+      of them must meet at the same address;
+    - the port is ``MASTER_PORT`` when set, else ``20000 + SLURM_JOB_ID % 10000``: two jobs
+      sharing a node then do not collide on one port;
+    - the GPUs: ``nproc_per_node`` when given, else ``SLURM_GPUS_ON_NODE``, else the number at
+      the end of ``SLURM_GPUS_PER_NODE`` (``"4"`` or ``"h100:4"``);
+    - ``SLURM_NNODES`` and ``SLURM_NODELIST`` are older names of the same two variables.
+
+    ``ValueError`` (naming the variable) for: a variable missing, a node count that is not
+    the node list's length, more than one task per node (``SLURM_NTASKS_PER_NODE`` above 1:
+    several torchruns on one node would each start every process), or no GPU count at all.
+    The test runs a table of emulated SLURM environments.
+    """
+    raise NotImplementedError("task9_2: every node meets at the node list's first host")
+# --8<-- [end:slurm_to_torchrun]
+
+
+# --8<-- [start:resume_point]
+def resume_point(checkpoints: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``checkpoints``, or ``None`` (also when the
+    folder does not exist yet: a first run starts from scratch).
+
+    Only directories named ``step-<digits>`` count, newest by their step number (not by
+    name: ``step-100`` is newer than ``step-99``; not by modification time: a copy or a
+    restore changes it). One counts only when complete: a crash can leave a ``.partial``
+    directory, a directory without its ``train.pt``, or a ``train.pt`` cut short (it does not
+    open as a zip archive: ``zipfile.is_zipfile``), and each of those is skipped. The test
+    plants all of them.
+    """
+    raise NotImplementedError("task9_3: the highest step-<N> whose train.pt is a whole zip archive")
+# --8<-- [end:resume_point]

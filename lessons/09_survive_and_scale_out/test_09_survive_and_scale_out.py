@@ -1,0 +1,603 @@
+"""Lesson 09: survive and scale out. Exact resume, restarts, several nodes, cluster launchers.
+
+What the lesson rests on, checked here on gloo/CPU ranks:
+- a run stopped, saved and resumed (mid-epoch, on fresh objects) takes bitwise the same steps as
+  one that never stopped: the model, optimizer, schedule, scaler, the sampler's place and every
+  rank's generators all come back;
+- a crash half-way through a save leaves the earlier checkpoint loadable and no half one;
+- the newest complete checkpoint is found among planted partial and broken ones;
+- SLURM's environment becomes the torchrun arguments every node agrees on;
+- the lesson's scripts resume exactly in-process, and under torchrun: a rank SIGKILLed with a
+  restart left is restarted and resumed; with none left, torchrun says which rank died and how;
+  two torchrun agents form one group of two nodes and train what one node trains.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import random
+import shutil
+import socket
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from gpt import GPT, GPTConfig, parameter_digest
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module
+from harness.launch import start_script
+from harness.ranks import run_on_ranks
+
+LESSON = "09_survive_and_scale_out"
+RESILIENT = f"lessons/{LESSON}/train_resilient.py"
+SBATCH = f"lessons/{LESSON}/slurm/train.sbatch"
+CONFIG = dict(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
+SEQUENCES, BATCH = 64, 4  # 64 sequences: 8 steps per epoch of 4 per rank on 2 ranks
+STOP, MORE = 5, 7  # stop after step 5 (mid-epoch 1), resume, 7 more: into epoch 2
+
+
+@pytest.fixture
+def ex():
+    return load_exercise(LESSON)
+
+
+# ----------------------------------------------------------------------------- a training run
+
+
+def dataset() -> TensorDataset:
+    tokens = torch.randint(0, CONFIG["vocab_size"], (SEQUENCES, CONFIG["block_size"] + 1),
+                           generator=torch.Generator().manual_seed(0))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+class Run:
+    """Everything a run holds, built fresh (as a new process would after a crash)."""
+
+    def __init__(self, ex, global_seed: int):
+        self.model = GPT(GPTConfig(**CONFIG), seed=0)
+        self.ddp = DDP(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        # A step schedule: a resumed run that restarts the schedule steps with another rate.
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.5)
+        # growth_interval=1: the scale doubles every step, so a lost scaler state shows.
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1)
+        self.sampler = ex.ResumableSampler(dataset(), shuffle=True, seed=7)
+        # The loader's own generator: a new iterator must not draw from the global one.
+        self.loader = DataLoader(dataset(), BATCH, sampler=self.sampler,
+                                 generator=torch.Generator())
+        torch.manual_seed(global_seed)  # dropout draws from here, differently on every rank
+        random.seed(global_seed)
+        self.position = {"epoch": 0, "start": 0, "step": 0}
+
+    def train(self, steps: int) -> None:
+        done = 0
+        while done < steps:
+            self.sampler.set_epoch(self.position["epoch"], self.position["start"])
+            for inputs, targets in self.loader:
+                logits, _ = self.ddp(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss = loss + 1e-3 * random.random()  # Python's generator is state too
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.scheduler.step()
+                self.position["start"] += targets.shape[0]
+                self.position["step"] += 1
+                done += 1
+                if done == steps:
+                    break
+            if self.position["start"] == self.sampler.num_samples:  # the epoch is done
+                self.position.update(epoch=self.position["epoch"] + 1, start=0)
+
+    def pieces(self) -> dict:
+        # Copies: the state dicts share their tensors with the live objects, which train on.
+        return copy.deepcopy({
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+            "rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "position": self.position})
+
+    def save(self, ex, path: Path) -> None:
+        ex.save_training_state(path, self.model, self.optimizer, self.scheduler, self.scaler,
+                               self.position)
+
+    def load(self, ex, path: Path) -> None:
+        self.position = dict(ex.load_training_state(path, self.model, self.optimizer,
+                                                    self.scheduler, self.scaler, "cpu"))
+
+
+def resume_on_rank(ctx, ex_path: str, folder: str) -> dict:
+    from harness.exercises import load_path
+
+    ex = load_path(ex_path)
+    path = Path(folder) / "step-00000005"
+    uninterrupted = Run(ex, global_seed=100 + ctx.rank)
+    uninterrupted.train(STOP + MORE)
+    first = Run(ex, global_seed=100 + ctx.rank)
+    first.train(STOP)
+    saved = first.pieces()
+    first.save(ex, path)
+    if ctx.rank == 0:  # what every rank saved, to tell "rank 0's" from "its own"
+        torch.save({"rng": saved["rng"]}, Path(folder) / "rank0-rng.pt")
+    dist.barrier()
+    rank0_rng = torch.load(Path(folder) / "rank0-rng.pt")["rng"]
+    resumed = Run(ex, global_seed=999)  # a new process: fresh objects, another generator
+    resumed.load(ex, path)
+    loaded = resumed.pieces()
+    resumed.train(MORE)
+    return {"saved": saved, "loaded": loaded, "rank0_rng": rank0_rng,
+            "uninterrupted": uninterrupted.pieces()["model"], "resumed": resumed.pieces()["model"],
+            "listing": sorted(p.name for p in Path(folder).iterdir())}
+
+
+def first_difference(actual: dict, expected: dict) -> str | None:
+    for name, want in expected.items():
+        got = actual.get(name)
+        if got is None or not torch.equal(got, want):
+            return name
+    return None
+
+
+def tensors_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+# ----------------------------------------------------------------------------- task 9_1
+
+
+@pytest.mark.task9_1
+def test_the_sampler_resumes_an_epoch_where_it_stopped(ex):
+    data = list(range(22))  # 11 per rank: the parent pads, the resumed epoch keeps its order
+    for rank in (0, 1):
+        whole = list(DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=3))
+        sampler = ex.ResumableSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        for start in (0, 4, 11):
+            sampler.set_epoch(0, start)
+            got = list(sampler)
+            assert got == whole[start:], (
+                f"rank {rank}, set_epoch(0, start={start}): yielded {got}, expected the rest "
+                f"of the epoch {whole[start:]} (the parent's order, without its first {start})")
+            assert len(sampler) == len(whole) - start, (
+                f"rank {rank}, start={start}: len() is {len(sampler)}, expected "
+                f"{len(whole) - start}, the samples left (a DataLoader sizes the epoch by it)")
+        sampler.set_epoch(1)
+        epoch1 = list(DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=3))
+        whole1 = list(sampler)
+        assert whole1 != whole, "epoch 1 must be shuffled differently from epoch 0 (set_epoch)"
+        ref = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        ref.set_epoch(1)
+        assert whole1 == list(ref), (
+            f"set_epoch(1) with no start: yielded {whole1}, expected the whole epoch "
+            f"{list(ref)}: a new epoch starts at its beginning")
+        del epoch1
+        for bad in (-1, 12):
+            with pytest.raises(ValueError, match=str(bad)):
+                sampler.set_epoch(2, bad)
+
+
+@pytest.mark.task9_1
+def test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped(ex, tmp_path):
+    ranks = run_on_ranks(resume_on_rank, str(ex.__file__), str(tmp_path), world_size=2)
+    listing = ranks[0]["listing"]
+    assert "step-00000005" in listing, f"no checkpoint directory step-00000005: found {listing}"
+    assert not any(name.endswith(".partial") for name in listing), (
+        f"a .partial directory is left after a save that succeeded: {listing}; rename it")
+    for rank, got in enumerate(ranks):
+        saved, loaded = got["saved"], got["loaded"]
+        assert loaded["position"] == saved["position"], (
+            f"rank {rank}: load_training_state returned the position {loaded['position']}, "
+            f"expected what was saved: {saved['position']}")
+        name = first_difference(loaded["model"], saved["model"])
+        assert name is None, f"rank {rank}: after loading, parameter {name!r} is not the saved one"
+        assert tensors_equal(loaded["optimizer"], saved["optimizer"]), (
+            f"rank {rank}: the optimizer's state after loading is not the saved one (AdamW's "
+            "moments and step counts): save and load optimizer.state_dict()")
+        assert loaded["scheduler"] == saved["scheduler"], (
+            f"rank {rank}: the scheduler after loading is at step "
+            f"{loaded['scheduler'].get('last_epoch')}, the run was at "
+            f"{saved['scheduler'].get('last_epoch')}: save and load scheduler.state_dict(), or "
+            "the learning rate starts its schedule again")
+        assert loaded["scaler"] == saved["scaler"], (
+            f"rank {rank}: the GradScaler's scale after loading is "
+            f"{loaded['scaler'].get('scale')}, the run had {saved['scaler'].get('scale')}: save "
+            "and load scaler.state_dict()")
+        if not torch.equal(loaded["rng"], saved["rng"]):
+            whose = (" it is rank 0's: every rank must save and restore its own generators"
+                     if rank and torch.equal(loaded["rng"], got["rank0_rng"]) else
+                     " restore each rank's own (rng_state / set_rng_state)")
+            pytest.fail(f"rank {rank}: torch's generator after loading is not the one this rank "
+                        f"had when it saved;{whose}. Dropout would draw other masks.")
+        assert loaded["python_rng"] == saved["python_rng"], (
+            f"rank {rank}: Python's random generator was not restored")
+    for rank, got in enumerate(ranks):  # every piece of every rank first: they say what is wrong
+        name = first_difference(got["resumed"], got["uninterrupted"])
+        assert name is None, (
+            f"rank {rank}: after resuming and {MORE} more steps, {name!r} is not bitwise equal "
+            f"to the run that never stopped ({STOP + MORE} steps)")
+
+
+def crash_on_rank(ctx, ex_path: str, folder: str) -> dict:
+    from harness.exercises import load_path
+
+    ex = load_path(ex_path)
+    good, bad = Path(folder) / "step-00000002", Path(folder) / "step-00000003"
+    run = Run(ex, global_seed=1)
+    run.train(2)
+    run.save(ex, good)
+    run.train(1)
+    real_save = torch.save
+
+    def half_a_save(obj, f, *args, **kwargs):
+        if isinstance(f, io.BytesIO):  # pickling a tensor (all_gather_object) uses torch.save
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+        if isinstance(f, (str, os.PathLike)):
+            Path(f).write_bytes(data)
+        else:
+            f.write(data)
+        raise OSError("injected: the disk filled up half-way through torch.save")
+
+    torch.save = half_a_save
+    try:
+        run.save(ex, bad)
+        raised = None
+    except OSError as err:
+        raised = str(err)
+    finally:
+        torch.save = real_save
+    after_crash = sorted(p.name for p in Path(folder).iterdir())
+    left = {p.relative_to(folder).as_posix(): p.stat().st_size
+            for p in Path(folder).rglob("*") if p.is_file()}
+    fresh = Run(ex, global_seed=2)
+    fresh.load(ex, good)
+    loaded_step = fresh.position["step"]
+    try:  # a save after the crash, over its leftovers, must work
+        run.save(ex, bad)
+        again = None
+    except Exception as err:  # noqa: BLE001 - reported to the learner
+        again = f"{type(err).__name__}: {err}"
+    # A checkpoint of two ranks, in the layout of the text, cannot be loaded by one.
+    two = torch.load(good / "train.pt", weights_only=False)
+    two["generators"] = [two["generators"][0]] * 2
+    two_dir = Path(folder) / "two-ranks"
+    two_dir.mkdir()
+    torch.save(two, two_dir / "train.pt")
+    try:
+        fresh.load(ex, two_dir)
+        mismatch = None
+    except ValueError as err:
+        mismatch = str(err)
+    return {"raised": raised, "after_crash": after_crash, "left": left,
+            "loaded_step": loaded_step, "again": again, "mismatch": mismatch,
+            "final": sorted(p.name for p in Path(folder).iterdir())}
+
+
+@pytest.mark.task9_1
+def test_a_crash_during_a_save_leaves_the_last_checkpoint_whole(ex, tmp_path):
+    got = run_on_ranks(crash_on_rank, str(ex.__file__), str(tmp_path), world_size=1)[0]
+    assert got["raised"], "the save whose torch.save failed returned as if it had succeeded"
+    assert "step-00000003" not in got["after_crash"], (
+        f"the crash left step-00000003 behind, with a file cut short ({got['left']}): write "
+        "into step-00000003.partial and rename it to step-00000003 only once it is whole")
+    assert got["loaded_step"] == 2, "the checkpoint saved before the crash no longer loads"
+    assert got["again"] is None, (
+        f"saving again after a crashed save failed: {got['again']} (remove or reuse the "
+        ".partial directory the crash left)")
+    assert "step-00000003" in got["final"], f"the save after the crash wrote {got['final']}"
+    assert got["mismatch"] and "2" in got["mismatch"] and "1" in got["mismatch"], (
+        "loading a checkpoint of 2 ranks on 1 must raise ValueError naming both numbers; got "
+        f"{got['mismatch']!r}")
+
+
+# ----------------------------------------------------------------------------- task 9_2
+
+JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[01-02]",
+       "SLURM_GPUS_ON_NODE": "4", "SLURM_NTASKS_PER_NODE": "1"}
+NODELISTS = {
+    "node01": ["node01"],
+    "node[01-03]": ["node01", "node02", "node03"],
+    "node[01-04,07]": ["node01", "node02", "node03", "node04", "node07"],
+    "gpu[8-10],login3": ["gpu8", "gpu9", "gpu10", "login3"],
+    "a[098-101]-ib": ["a098-ib", "a099-ib", "a100-ib", "a101-ib"],
+    "r[1-2]n[1-2]": ["r1n1", "r1n2", "r2n1", "r2n2"],
+    "x[3],y[1,5-6],z": ["x3", "y1", "y5", "y6", "z"],
+}
+
+
+@pytest.mark.task9_2
+@pytest.mark.parametrize("nodelist", NODELISTS)
+def test_node_lists_expand_as_slurm_does(ex, nodelist):
+    got = ex.expand_nodelist(nodelist)
+    assert got == NODELISTS[nodelist], (
+        f"expand_nodelist({nodelist!r}) gave {got}, expected {NODELISTS[nodelist]} (commas "
+        "inside brackets do not separate hosts; a range keeps its first number's width)")
+
+
+@pytest.mark.task9_2
+@pytest.mark.parametrize("nodelist", ["", "node[01-02", "node[3-1]", "node]1["])
+def test_bad_node_lists_are_refused(ex, nodelist):
+    with pytest.raises(ValueError):
+        ex.expand_nodelist(nodelist)
+
+
+def expected_args(nodes: int, nproc: int, job: int, endpoint: str) -> list[str]:
+    return [f"--nnodes={nodes}", f"--nproc-per-node={nproc}", f"--rdzv-id={job}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
+
+
+ENVIRONMENTS = {
+    "two nodes, four GPUs each": (JOB, expected_args(2, 4, 4242, "node01:24242")),
+    "five nodes from a compressed list, the old variable names": (
+        {"SLURM_JOB_ID": "1234567", "SLURM_NNODES": "5", "SLURM_NODELIST": "gpu-[07-09,12],x3",
+         "SLURM_GPUS_ON_NODE": "8"}, expected_args(5, 8, 1234567, "gpu-07:24567")),
+    "GPUs from --gpus-per-node=h100:8": (
+        {**{k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"},
+         "SLURM_GPUS_PER_NODE": "h100:8"}, expected_args(2, 8, 4242, "node01:24242")),
+    "a port chosen by the job script": (
+        {**JOB, "MASTER_PORT": "31337"}, expected_args(2, 4, 4242, "node01:31337")),
+}
+
+
+@pytest.mark.task9_2
+@pytest.mark.parametrize("case", ENVIRONMENTS)
+def test_slurm_environments_become_torchrun_arguments(ex, case):
+    env, want = ENVIRONMENTS[case]
+    got = ex.slurm_to_torchrun(env)
+    hint = ""
+    if len(got) == len(want) and got[:-1] == want[:-1] and got[-1].split(":")[0] == \
+            want[-1].split(":")[0]:
+        hint = (" Only the port differs: MASTER_PORT when set, else 20000 + SLURM_JOB_ID % "
+                "10000 (one fixed port collides when two jobs share a node).")
+    assert got == want, f"{case}: slurm_to_torchrun gave {got}, expected {want}.{hint}"
+
+
+@pytest.mark.task9_2
+def test_every_node_of_a_job_gets_the_same_arguments(ex):
+    nodes = ex.expand_nodelist("node[01-04]")
+    answers = {}
+    for node_id, host in enumerate(nodes):
+        env = {**JOB, "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "node[01-04]",
+               "SLURMD_NODENAME": host, "SLURM_NODEID": str(node_id),
+               "SLURM_PROCID": str(node_id), "HOSTNAME": host}
+        answers[host] = ex.slurm_to_torchrun(env)
+    assert len({tuple(a) for a in answers.values()}) == 1, (
+        f"the nodes of one job got different arguments: {answers}. Every node must meet at "
+        "the same endpoint: the node list's first host, not the node it runs on")
+    assert ex.slurm_to_torchrun(JOB, nproc_per_node=2)[1] == "--nproc-per-node=2", (
+        "nproc_per_node, when given, is the number of processes per node")
+
+
+@pytest.mark.task9_2
+def test_two_jobs_do_not_share_a_port(ex):
+    ports = {job: ex.slurm_to_torchrun({**JOB, "SLURM_JOB_ID": str(job)})[-1].rsplit(":", 1)[1]
+             for job in (4242, 4243)}
+    assert ports[4242] != ports[4243], (
+        f"jobs 4242 and 4243 both rendezvous on port {ports[4242]}: two jobs sharing a node "
+        "would collide; derive the port from SLURM_JOB_ID (20000 + id % 10000)")
+
+
+BAD_ENVIRONMENTS = {
+    "SLURM_JOB_NODELIST": {k: v for k, v in JOB.items() if k != "SLURM_JOB_NODELIST"},
+    "SLURM_JOB_NUM_NODES": {**JOB, "SLURM_JOB_NUM_NODES": "3"},
+    "SLURM_NTASKS_PER_NODE": {**JOB, "SLURM_NTASKS_PER_NODE": "4"},
+    "SLURM_GPUS_ON_NODE": {k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"},
+    "SLURM_JOB_ID": {k: v for k, v in JOB.items() if k != "SLURM_JOB_ID"},
+}
+
+
+@pytest.mark.task9_2
+@pytest.mark.parametrize("variable", BAD_ENVIRONMENTS)
+def test_a_broken_slurm_environment_names_the_variable(ex, variable):
+    with pytest.raises(ValueError) as caught:
+        ex.slurm_to_torchrun(BAD_ENVIRONMENTS[variable])
+    assert variable in str(caught.value), (
+        f"the ValueError must name {variable}, which is what is wrong here; it said "
+        f"{str(caught.value)!r}")
+
+
+# ----------------------------------------------------------------------------- task 9_3
+
+
+def write_checkpoint(folder: Path, step: int | str, cut: bool = False) -> Path:
+    path = folder / (f"step-{step}" if isinstance(step, int) else step)
+    path.mkdir(parents=True)
+    buffer = io.BytesIO()
+    torch.save({"position": {"step": step}, "model": {"w": torch.ones(256)}}, buffer)
+    data = buffer.getvalue()
+    (path / "train.pt").write_bytes(data[: len(data) // 2] if cut else data)
+    return path
+
+
+@pytest.mark.task9_3
+def test_resume_point_picks_the_newest_complete_checkpoint(ex, tmp_path):
+    assert ex.resume_point(tmp_path / "not-there-yet") is None, (
+        "a folder that does not exist yet means a first run: return None")
+    assert ex.resume_point(tmp_path) is None, "an empty folder has no checkpoint: return None"
+    write_checkpoint(tmp_path, 99)
+    newest = write_checkpoint(tmp_path, 100)
+    planted = {
+        "step-120.partial": write_checkpoint(tmp_path, "step-120.partial"),  # never renamed
+        "step-130 without train.pt": (tmp_path / "step-130"),
+        "step-140 with train.pt cut short": write_checkpoint(tmp_path, 140, cut=True),
+        "latest (not a step)": write_checkpoint(tmp_path, "latest"),
+        "step-abc": write_checkpoint(tmp_path, "step-abc"),
+    }
+    planted["step-130 without train.pt"].mkdir()
+    (tmp_path / "step-150").write_text("a file, not a checkpoint directory")
+    (tmp_path / "notes.txt").write_text("")
+    stamp = newest.stat().st_mtime + 100
+    os.utime(tmp_path / "step-99", (stamp, stamp))  # the oldest checkpoint, touched last
+    got = ex.resume_point(tmp_path)
+    assert got is not None, f"resume_point found nothing in {sorted(os.listdir(tmp_path))}"
+    got = Path(got)
+    why = {"step-99": "step-99 is not newer than step-100: compare the numbers (not the names, "
+                      "not the modification times)"}
+    why.update({name: f"{name} is not a complete checkpoint" for name in planted})
+    label = next((name for name, path in planted.items() if path.name == got.name), got.name)
+    assert got.name == newest.name, (
+        f"resume_point returned {got.name}; expected step-100. {why.get(label, '')}")
+    for name in ("step-100", "step-99"):
+        shutil.rmtree(tmp_path / name)
+    assert ex.resume_point(tmp_path) is None, (
+        f"only broken or partial checkpoints are left ({sorted(os.listdir(tmp_path))}); "
+        f"resume_point returned {ex.resume_point(tmp_path)}")
+
+
+# ----------------------------------------------------------------------------- the scripts
+
+
+def script_fit_on_rank(ctx, name: str, folder: str | None, **options) -> dict:
+    script = load_lesson_module(LESSON, name)
+    quiet = dict(epochs=2, batch_size=8, train_windows=64, dropout=0.1,
+                 log=lambda *args, **kwargs: None)
+    model, _, result = script.fit(ctx.device, checkpoint_dir=folder and Path(folder),
+                                  **{**quiet, **options})
+    return {"digest": parameter_digest(model), "train_loss": result["train_loss"]}
+
+
+def test_train_checkpoint_resumes_from_an_epoch_bitwise(tmp_path):
+    whole = run_on_ranks(script_fit_on_rank, "train_checkpoint", str(tmp_path), world_size=2)
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == ["step-00000004", "step-00000008"], saved  # 4 steps an epoch, 2 epochs
+    shutil.rmtree(tmp_path / "step-00000008")  # as if it had stopped after epoch 1
+    resumed = run_on_ranks(script_fit_on_rank, "train_checkpoint", str(tmp_path), world_size=2)
+    assert resumed[0]["digest"] == whole[0]["digest"], "resumed after epoch 1: other weights"
+    assert resumed[0]["train_loss"] == whole[0]["train_loss"][1:]
+
+
+def test_train_resilient_resumes_mid_epoch_bitwise(tmp_path):
+    whole = run_on_ranks(script_fit_on_rank, "train_resilient", str(tmp_path), world_size=2,
+                         save_every=3)
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == ["step-00000003", "step-00000006"], saved  # 8 steps, 4 an epoch
+    shutil.rmtree(tmp_path / "step-00000006")  # as if it had stopped after step 5
+    resumed = run_on_ranks(script_fit_on_rank, "train_resilient", str(tmp_path), world_size=2,
+                           save_every=3)
+    assert resumed[0]["digest"] == whole[0]["digest"], "resumed at step 3, mid-epoch: other"
+
+
+# LOGLEVEL=INFO: torchrun shows its agent's decisions (warnings and errors only otherwise).
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each restart gets a fresh store. torchrun's agent
+# otherwise keeps one store for every attempt, and a restarted rank can read the address a dead
+# one left there (pytorch/pytorch#135712; tests/test_torch_claims.py shows it).
+RESTARTABLE = {"LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_the_launches_first(request):
+    """The launches cost seconds, mostly waiting: start them before the module's other tests
+    run, when a test that reads them is selected (not for ``-m task9_2``, say)."""
+    if any("launches" in item.fixturenames for item in request.session.items
+           if item.module is request.module):
+        request.getfixturevalue("launches")
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """The torchrun runs of this module, started together."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("restart", "no-restart")}
+    common = ("--epochs", "1", "--batch-size", "4", "--train-windows", "64", "--dropout", "0.1",
+              "--save-every", "3")
+    runs = {
+        "restart": start_script(RESILIENT, *common, "--checkpoint-dir", str(folders["restart"]),
+                                "--crash-at-step", "5", launcher="torchrun", nproc=2,
+                                launcher_args=("--max-restarts=1",), env=RESTARTABLE,
+                                timeout=90),
+        "no-restart": start_script(RESILIENT, *common, "--checkpoint-dir",
+                                   str(folders["no-restart"]), "--crash-at-step", "5",
+                                   launcher="torchrun", nproc=2, check=False, timeout=90),
+    }
+    # Two nodes on this machine: the batch script, with a stand-in for srun that starts one
+    # task per emulated node (hosts 127.0.0.1 and 127.0.0.2), each a torchrun of one process.
+    runs["two nodes"] = start_script(
+        SBATCH, *common[:-2], launcher="bash", timeout=90,
+        env={"PATH": f"{REPO_ROOT / SBATCH.rsplit('/', 1)[0]}:{os.environ['PATH']}",
+             "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4242", "SAVE_EVERY": "3",
+             "CHECKPOINTS": str(tmp_path_factory.mktemp("slurm")), "FAKE_SLURM_NODES": "2"})
+    yield {"runs": runs, "folders": folders}
+    for run in runs.values():
+        run.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:  # the OS picks a free port; the agents bind it right after
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> str:
+    """The weights of the torchrun runs' settings, trained without a stop on 2 pooled ranks."""
+    return run_on_ranks(script_fit_on_rank, "train_resilient", None, world_size=2,
+                        epochs=1, batch_size=4, save_every=3)[0]["digest"]
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(launches, uninterrupted):
+    run = launches["runs"]["restart"].result()
+    assert "killing itself after step 5" in run.output
+    # The agent's decisions, at LOGLEVEL=INFO (torchrun shows warnings and errors otherwise).
+    assert "failed (exitcode: -9) local_rank: 1" in run.output, run.output[-3000:]
+    assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in run.output
+    assert "resumed from" in run.output and "step-00000003" in run.output, run.output[-3000:]
+    restarted = [line for line in run.output.splitlines() if "TORCHELASTIC_RESTART_COUNT=1" in line]
+    assert len(restarted) == 2, f"both ranks start again, and know their attempt: {restarted}"
+    assert "closing signal SIGTERM" in run.output, "the agent stops the rank that still runs"
+    assert run.data["params_sha256"] == uninterrupted, (
+        "killed at step 5, restarted, resumed from step 3: not the uninterrupted run's weights")
+
+
+def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
+    run = launches["runs"]["no-restart"].result()
+    assert run.returncode != 0
+    assert "killing itself after step 5" in run.output
+    assert "Signal 9 (SIGKILL)" in run.output, run.output[-3000:]
+    assert "rank      : 1" in run.output or "rank: 1" in run.output, run.output[-3000:]
+    saved = sorted(p.name for p in launches["folders"]["no-restart"].iterdir())
+    assert saved == ["step-00000003"], f"the checkpoint to resume from by hand: {saved}"
+
+
+def test_a_slurm_job_of_two_nodes_trains_what_one_node_trains(launches, uninterrupted):
+    run = launches["runs"]["two nodes"].result()
+    lines = [line for line in run.output.splitlines() if "GROUP_RANK=" in line]
+    found = sorted((field("RANK", line), field("GROUP_RANK", line), field("LOCAL_RANK", line))
+                   for line in lines)
+    # Two nodes of one process: global ranks 0 and 1, one on each node, each local rank 0.
+    assert found == [("0", "0", "0"), ("1", "1", "0")], run.output[-3000:]
+    assert all("WORLD_SIZE=2" in line for line in lines), lines
+    assert run.data["world_size"] == 2
+    assert run.data["params_sha256"] == uninterrupted, (
+        "two nodes of one process each trained other weights than one node of two processes")
+
+
+def field(name: str, line: str) -> str:
+    return line.split(f" {name}=" if f" {name}=" in line else f"{name}=", 1)[1].split()[0]
+
+
+def test_zip_archives_cut_short_do_not_open(tmp_path):
+    # What resume_point relies on (asked of torch and zipfile, not assumed): torch.save writes
+    # a zip archive whose index is at the end, so a file cut short is not one, and torch.load
+    # refuses it.
+    path = write_checkpoint(tmp_path, 1) / "train.pt"
+    assert zipfile.is_zipfile(path)
+    data = path.read_bytes()
+    for keep in (len(data) - 1, len(data) // 2, 10):
+        path.write_bytes(data[:keep])
+        assert not zipfile.is_zipfile(path), keep
+        with pytest.raises(Exception):  # noqa: B017 - RuntimeError or EOFError, by version
+            torch.load(path, weights_only=True)

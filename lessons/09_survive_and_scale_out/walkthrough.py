@@ -1,0 +1,134 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 09 walkthrough: stop, resume, and get the same run
+#
+# Four steps on a CPU: where a resumed epoch starts; a run that checkpoints, loses its last
+# checkpoints and resumes bitwise; what a crashed save leaves and what a restart trusts; and a
+# rank killed under `torchrun --max-restarts=1`. Then the arguments a SLURM job would give.
+
+# %%
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+# Works from the repository root (as a script) and from this folder (as a notebook).
+HERE = (Path("lessons/09_survive_and_scale_out")
+        if Path("lessons/09_survive_and_scale_out").is_dir() else Path("."))
+sys.path.insert(0, str(HERE.parent))  # lessons/, where gpt/ lives
+sys.path.insert(0, str(HERE))  # this lesson's scripts
+import slurm_args  # noqa: E402
+import train_resilient  # noqa: E402
+from gpt import parameter_digest  # noqa: E402
+
+# %% [markdown]
+# ## 1. Where a resumed epoch starts
+#
+# A `DistributedSampler`'s order depends on its seed, the epoch, the rank and the world size,
+# nothing else. So "epoch 2, 3 samples done" is all it takes to go on where a run stopped.
+
+# %%
+data = range(12)
+whole = list(DistributedSampler(data, num_replicas=2, rank=1, seed=0))
+resumed = train_resilient.ResumableSampler(data, num_replicas=2, rank=1, seed=0)
+resumed.set_epoch(0, start=3)
+print("rank 1's epoch:          ", whole)
+print("resumed after 3 samples: ", list(resumed), f"(len {len(resumed)})")
+assert list(resumed) == whole[3:]
+
+# %% [markdown]
+# ## 2. Checkpoint, lose the last checkpoints, resume: the same weights
+#
+# The script's `fit()` in this process, on a group of one (a store on port 0: no fixed port).
+# It saves every 2 steps; we delete the checkpoints after step 4, as if the run had died
+# there, and run it again: it resumes at step 4, mid-epoch, and ends with the same digest.
+
+# %%
+if not dist.is_initialized():
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+folder = Path(tempfile.mkdtemp(prefix="walkthrough09-"))
+options = dict(epochs=1, batch_size=8, train_windows=64, dropout=0.1, save_every=2,
+               checkpoint_dir=folder / "ckpt", log=print)
+model, _, _ = train_resilient.fit(torch.device("cpu"), **options)
+uninterrupted = parameter_digest(model)
+print(sorted(p.name for p in (folder / "ckpt").iterdir()))
+
+# %%
+for late in ("step-00000006", "step-00000008"):
+    shutil.rmtree(folder / "ckpt" / late)
+model, _, _ = train_resilient.fit(torch.device("cpu"), **options)
+print("uninterrupted:", uninterrupted[:16], " resumed:", parameter_digest(model)[:16])
+assert parameter_digest(model) == uninterrupted
+
+# %% [markdown]
+# ## 3. What a crash leaves, and what a restart trusts
+#
+# Plant what crashes leave behind: a save that never got its rename, and a newer directory
+# whose file was cut short. `resume_point` takes the newest *complete* one: `torch.save`
+# writes a zip archive with its index at the end, so a file cut short is not one.
+
+# %%
+ckpt = folder / "ckpt"
+shutil.copytree(ckpt / "step-00000004", ckpt / "step-00000010.partial")
+shutil.copytree(ckpt / "step-00000004", ckpt / "step-00000012")
+cut = ckpt / "step-00000012" / "train.pt"
+cut.write_bytes(cut.read_bytes()[:1000])
+print(sorted(p.name for p in ckpt.iterdir()))
+print("step-00000012/train.pt is a zip archive:", zipfile.is_zipfile(cut))
+print("resume from:", train_resilient.resume_point(ckpt).name)
+dist.destroy_process_group()
+
+# %% [markdown]
+# ## 4. A rank killed under `torchrun --max-restarts=1`
+#
+# The last rank kills itself after step 5 (`--crash-at-step`). The agent stops the other
+# rank, starts both again, and the script resumes from step 3. `LOGLEVEL=INFO` shows the
+# agent's decision; `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` gives the new attempt a fresh store
+# (the README says why). A notebook kernel is one process, so `torchrun` runs as a command.
+
+# %%
+env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
+       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+run = subprocess.run(
+    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+     "--max-restarts=1", str(HERE / "train_resilient.py"), "--epochs", "1", "--batch-size", "4",
+     "--train-windows", "64", "--dropout", "0.1", "--save-every", "3", "--crash-at-step", "5",
+     "--checkpoint-dir", str(folder / "restarted")],
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180, env=env)
+keep = ("RANK=", "killing", "attempts left", "resumed from", "epoch 1/1")
+print("\n".join(line.split("] ", 1)[-1] for line in run.stdout.splitlines()
+                if any(word in line for word in keep)))
+assert run.returncode == 0, run.stdout[-3000:]
+
+# %% [markdown]
+# ## 5. The arguments a SLURM job gives `torchrun`
+#
+# Every node of a job runs the same line; `slurm_args.py` turns its SLURM variables into the
+# same arguments on each, with the first host of the node list as the meeting point.
+
+# %%
+print(slurm_args.expand_nodelist("node[01-04,07]"))
+job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "5", "SLURM_GPUS_ON_NODE": "8",
+       "SLURM_JOB_NODELIST": "node[01-04,07]"}
+for node in ("node01", "node07"):
+    print(node, " ".join(slurm_args.slurm_to_torchrun({**job, "SLURMD_NODENAME": node})))
+shutil.rmtree(folder)

@@ -1,0 +1,267 @@
+"""Lesson 09 exercises: survive a failure, resume exactly, and start on a cluster.
+
+Grade with ``pytest lessons/09_survive_and_scale_out`` (one task: ``-m task9_1``). Each
+function's docstring is its contract: what it takes, what it returns, and what the test checks.
+
+A checkpoint is one directory, ``<checkpoints>/step-<8 digits>/``, holding ``train.pt``:
+
+    {"model", "optimizer", "scheduler", "scaler"}: the four state dicts
+    "position":   where in the data the run is, e.g. {"epoch": 2, "start": 48, "step": 11}
+    "generators": every rank's random generator states, a list indexed by rank
+
+It is written under ``step-<N>.partial/`` and renamed when whole. ``torch.save`` writes a zip
+archive whose index comes last, so a file cut short by a crash does not open as one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+TRAIN_STATE = "train.pt"
+STEP_DIR = re.compile(r"step-(\d+)")  # a checkpoint's directory name; anything else is not one
+
+
+# --8<-- [start:ResumableSampler]
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start an epoch part-way through.
+
+    ``set_epoch(epoch, start=k)`` makes the next iteration yield this rank's indices of that
+    epoch from the ``k``-th on (``k`` counts this rank's samples already trained on, the same
+    number on every rank); ``__len__`` is what is left. ``set_epoch(epoch)`` starts the epoch at
+    its beginning. The order is the parent's: a function of the seed, the epoch, the rank and
+    the world size alone, which is what makes skipping ahead exact. ``start`` below 0 or above
+    the rank's share raises ``ValueError``.
+
+    The test checks that a resumed epoch yields exactly the rest of an uninterrupted one.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        if not 0 <= start <= self.num_samples:
+            raise ValueError(f"start {start} is outside this rank's epoch of "
+                             f"{self.num_samples} samples")
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())  # the epoch's whole order, then the part not yet seen
+        return iter(indices[self.start:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+# --8<-- [end:ResumableSampler]
+
+
+def rng_state() -> dict:
+    """This process's generator states: torch's CPU one, Python's, and CUDA's once in use."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --8<-- [start:save_training_state]
+def save_training_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, scaler,
+                        position: Mapping) -> None:
+    """Write the checkpoint directory ``path`` (the layout above); every rank calls it.
+
+    ``model`` is the bare module (for DDP, ``ddp_model.module``: the wrapper's keys carry a
+    ``module.`` prefix that a plain model does not load). ``position`` is saved as given. The
+    generators differ from rank to rank (each draws its own dropout masks): gather every
+    rank's :func:`rng_state` to rank 0 (``dist.all_gather_object``), which writes the file.
+
+    Atomic: rank 0 writes into ``<path>.partial/`` (removed first if an earlier crash left one)
+    and renames that directory to ``path`` once the file is whole; no rank returns before
+    then. A crash at any moment leaves the earlier checkpoints as they were and no ``path``.
+
+    The test trains, saves, and crashes a save half-way (``torch.save`` fails after writing
+    part of its file), then looks at what is on disk.
+    """
+    path = Path(path)
+    generators = [None] * dist.get_world_size()
+    dist.all_gather_object(generators, rng_state())  # every rank's, in rank order
+    if dist.get_rank() == 0:
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)  # an earlier crash's leftovers
+        partial.mkdir(parents=True)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                    "position": dict(position), "generators": generators},
+                   partial / TRAIN_STATE)
+        os.replace(partial, path)  # one rename: the checkpoint appears whole, or not at all
+    dist.barrier()  # nobody goes on (or reads it) before it is there
+# --8<-- [end:save_training_state]
+
+
+# --8<-- [start:load_training_state]
+def load_training_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, scaler,
+                        map_location: str | torch.device = "cpu") -> dict:
+    """Restore what :func:`save_training_state` wrote into these objects; return the position.
+
+    Every rank calls it and loads ``train.pt`` with ``map_location`` (this rank's device: a
+    file saved from cuda:0 must not land on rank 1's cuda:0), restores the model, the
+    optimizer, the scheduler and the scaler, and its own generators (:func:`set_rng_state`
+    with the entry of its rank). A checkpoint written by a different number of ranks raises
+    ``ValueError`` naming both numbers (its generators belong to ranks that do not exist now;
+    resharding is what ``torch.distributed.checkpoint`` is for).
+
+    The test resumes a run and checks each piece, then the parameters after more steps:
+    bitwise equal to a run that never stopped.
+    """
+    state = torch.load(Path(path) / TRAIN_STATE, map_location=map_location, weights_only=True)
+    written_by, world_size = len(state["generators"]), dist.get_world_size()
+    if written_by != world_size:
+        raise ValueError(f"{path} was written by {written_by} ranks; this run has "
+                         f"{world_size}: each rank needs its own generator states")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["generators"][dist.get_rank()])
+    return state["position"]
+# --8<-- [end:load_training_state]
+
+
+# --8<-- [start:expand_nodelist]
+def expand_nodelist(nodelist: str) -> list[str]:
+    """The host names of a SLURM node list, in order: ``"node[01-03,07],gpu5"`` gives
+    ``["node01", "node02", "node03", "node07", "gpu5"]``.
+
+    Commas separate hosts, except inside brackets; a bracket holds numbers and ranges
+    ``a-b``, and a range keeps the width of its first number (``[08-10]``: 08, 09, 10). A name
+    with several brackets expands to every combination (``r[1-2]n[1-2]``: r1n1, r1n2, r2n1,
+    r2n2), as ``scontrol show hostnames`` does. An unclosed bracket, an empty list or a range
+    that runs backwards raises ``ValueError``.
+    """
+    def expand(host: str) -> list[str]:  # the first bracket, then the rest of the name
+        match = re.search(r"\[([^\]]*)\]", host)
+        if not match:
+            if not host or "]" in host:
+                raise ValueError(f"bad host {host!r} in node list {nodelist!r}")
+            return [host]
+        head, tail = host[:match.start()], host[match.end():]
+        numbers = []
+        for part in match.group(1).split(","):
+            low, _, high = part.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                raise ValueError(f"bad range {part!r} in node list {nodelist!r}")
+            if high and int(high) < int(low):
+                raise ValueError(f"range {part!r} runs backwards in node list {nodelist!r}")
+            numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high or low) + 1)]
+        rests = expand(tail) if tail else [""]  # the brackets further right
+        return [head + number + rest for number in numbers for rest in rests]
+
+    if not nodelist.strip():
+        raise ValueError("the node list is empty")
+    hosts, depth, begin = [], 0, 0
+    for i, char in enumerate(nodelist + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            raise ValueError(f"unbalanced brackets in node list {nodelist!r}")
+        if char == "," and depth == 0:
+            hosts += expand(nodelist[begin:i].strip())
+            begin = i + 1
+    if depth:
+        raise ValueError(f"unclosed bracket in node list {nodelist!r}")
+    return hosts
+# --8<-- [end:expand_nodelist]
+
+
+# --8<-- [start:slurm_to_torchrun]
+def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None) -> list[str]:
+    """The arguments for ``torchrun`` on one node of a SLURM job, from that node's environment.
+
+    The job runs one torchrun per node (``srun --ntasks-per-node=1 torchrun ...``); each
+    starts that node's processes. Returns, in this order::
+
+        --nnodes=<SLURM_JOB_NUM_NODES>  --nproc-per-node=<GPUs on this node>
+        --rdzv-id=<SLURM_JOB_ID>  --rdzv-backend=c10d  --rdzv-endpoint=<first host>:<port>
+
+    - the first host of ``SLURM_JOB_NODELIST`` (expanded) is the endpoint on every node: all
+      of them must meet at the same address;
+    - the port is ``MASTER_PORT`` when set, else ``20000 + SLURM_JOB_ID % 10000``: two jobs
+      sharing a node then do not collide on one port;
+    - the GPUs: ``nproc_per_node`` when given, else ``SLURM_GPUS_ON_NODE``, else the number at
+      the end of ``SLURM_GPUS_PER_NODE`` (``"4"`` or ``"h100:4"``);
+    - ``SLURM_NNODES`` and ``SLURM_NODELIST`` are older names of the same two variables.
+
+    ``ValueError`` (naming the variable) for: a variable missing, a node count that is not
+    the node list's length, more than one task per node (``SLURM_NTASKS_PER_NODE`` above 1:
+    several torchruns on one node would each start every process), or no GPU count at all.
+    The test runs a table of emulated SLURM environments.
+    """
+    def need(*names: str) -> str:
+        for name in names:
+            if env.get(name):
+                return env[name]
+        raise ValueError(f"{' or '.join(names)} is not set: is this running inside a SLURM "
+                         "job (sbatch/srun)?")
+
+    hosts = expand_nodelist(need("SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+    nodes = int(need("SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
+    if nodes != len(hosts):
+        raise ValueError(f"SLURM_JOB_NUM_NODES is {nodes} but the node list has "
+                         f"{len(hosts)} hosts: {hosts}")
+    tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    if int(tasks_per_node) != 1:
+        raise ValueError(f"SLURM_NTASKS_PER_NODE is {tasks_per_node}: start one torchrun per "
+                         "node (srun --ntasks-per-node=1); it starts that node's processes")
+    job = int(need("SLURM_JOB_ID"))
+    if nproc_per_node is None:
+        if env.get("SLURM_GPUS_ON_NODE"):
+            nproc_per_node = int(env["SLURM_GPUS_ON_NODE"])
+        elif env.get("SLURM_GPUS_PER_NODE"):
+            nproc_per_node = int(env["SLURM_GPUS_PER_NODE"].rsplit(":", 1)[-1])
+        else:
+            raise ValueError("no GPU count: SLURM_GPUS_ON_NODE and SLURM_GPUS_PER_NODE are not "
+                             "set (ask for --gpus-per-node) and nproc_per_node was not given")
+    port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else 20000 + job % 10000
+    return [f"--nnodes={nodes}", f"--nproc-per-node={nproc_per_node}", f"--rdzv-id={job}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0]}:{port}"]
+# --8<-- [end:slurm_to_torchrun]
+
+
+# --8<-- [start:resume_point]
+def resume_point(checkpoints: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``checkpoints``, or ``None`` (also when the
+    folder does not exist yet: a first run starts from scratch).
+
+    Only directories named ``step-<digits>`` count, newest by their step number (not by
+    name: ``step-100`` is newer than ``step-99``; not by modification time: a copy or a
+    restore changes it). One counts only when complete: a crash can leave a ``.partial``
+    directory, a directory without its ``train.pt``, or a ``train.pt`` cut short (it does not
+    open as a zip archive: ``zipfile.is_zipfile``), and each of those is skipped. The test
+    plants all of them.
+    """
+    folder = Path(checkpoints)
+    if not folder.is_dir():
+        return None
+    candidates = []
+    for entry in folder.iterdir():
+        match = STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and zipfile.is_zipfile(entry / TRAIN_STATE):
+            candidates.append((int(match.group(1)), entry))
+    return max(candidates)[1] if candidates else None
+# --8<-- [end:resume_point]
