@@ -613,3 +613,27 @@ def test_torchruns_agent_logs_at_the_level_loglevel_names(monkeypatch):
     assert get_logger("course.probe.default").getEffectiveLevel() == 30  # WARNING
     monkeypatch.setenv("LOGLEVEL", "INFO")
     assert get_logger("course.probe.info").getEffectiveLevel() == 20  # INFO
+
+
+def test_dcp_writes_its_metadata_last_under_a_temporary_name():
+    """09 README, sharded checkpoints: "`.metadata`, written by the coordinator (rank 0) after
+    every rank's part is written, under a temporary name then renamed"."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    finish = " ".join(inspect.getsource(FileSystemWriter.finish).split())
+    assert ".tmp" in finish and "self.fs.rename(tmp_path, metadata_path)" in finish
+    assert inspect.signature(_save_state_dict).parameters["coordinator_rank"].default == 0
+    assert "Rank 0 is assumed to be the coordinator rank" in inspect.getdoc(dcp.save)
+
+
+def test_monitored_barrier_is_for_gloo_and_detail_wraps_new_groups():
+    """09 README, finding a hang: "`monitored_barrier` (gloo only ...)" and "with
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, torch wraps every process group" (the lesson's own test
+    shows what the wrapper then reports)."""
+    assert "this collective is only supported with the GLOO backend" in " ".join(
+        inspect.getdoc(dist.monitored_barrier).split())
+    source = inspect.getsource(dist.distributed_c10d._new_process_group_helper)
+    assert "get_debug_level() == DebugLevel.DETAIL" in source
+    assert "_create_process_group_wrapper(" in source

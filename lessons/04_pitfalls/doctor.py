@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import importlib.metadata
 import json
 import os
@@ -57,7 +58,11 @@ NEXT_STEPS = {
         "in the same order, and with the flight recorder, TORCH_NCCL_TRACE_BUFFER_SIZE=2000 "
         "TORCH_NCCL_DUMP_ON_TIMEOUT=1, which dumps every rank's last collectives on a timeout "
         "(read the dumps with torchfrtrace).",
-        "`py-spy dump --pid <pid>` on a stuck rank shows the Python line it waits on.",
+        "A rank that missed its deadline, or that the launcher stopped, printed the stack of "
+        "each of its threads: the line it waited on. In your own script, "
+        "faulthandler.register(signal.SIGUSR1, all_threads=True) at the top lets "
+        "`kill -USR1 <pid>` print them at any time (lesson 09), as `py-spy dump --pid <pid>` "
+        "does from outside, if py-spy is installed.",
     ],
     "crash": [
         "Another rank died: read its own error above, and torchrun's 'Root Cause' report.",
@@ -118,6 +123,7 @@ class Doctor:
         self.failing = threading.Lock()  # held by the first (and only) failure report
         self.result = {"ok": False, "steps": {}, "failed_step": None, "kind": None}
         signal.signal(signal.SIGTERM, self.on_sigterm)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: the stacks
 
     # -- reporting
 
@@ -151,6 +157,7 @@ class Doctor:
 
     def on_sigterm(self, signum, frame) -> None:
         """torchrun stops the other ranks when one fails: say where this one was."""
+        faulthandler.dump_traceback(all_threads=True)  # and show it: the line it waited on
         self.fail(self.current, "stopped", "the launcher stopped this rank because another one "
                   "failed first")
 
@@ -177,6 +184,7 @@ class Doctor:
         while helper.is_alive():
             helper.join(timeout=0.1)
             if helper.is_alive() and time.perf_counter() - began > limit:
+                faulthandler.dump_traceback(all_threads=True)  # where this rank is stuck
                 self.fail(name, "hang", f"no answer within {limit:.0f} s on this rank")
         if "error" in outcome:
             self.fail(name, *diagnose(outcome["error"]))

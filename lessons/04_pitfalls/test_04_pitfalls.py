@@ -873,6 +873,9 @@ def test_doctor_gives_up_on_a_step_past_its_deadline(launches):
     assert run.returncode != 0
     assert run.data["failed_step"] == "barrier" and run.data["kind"] == "hang", run.data
     assert "no answer within 3 s" in run.data["verdict"], run.data["verdict"]
+    # Before it gives up, the stack of every thread: the stuck one is in the barrier step.
+    stacks = run.output[run.output.index("most recent call first"):]
+    assert "in simulate" in stacks and "in barrier" in stacks, run.output[-3000:]
 
 
 @pytest.mark.slow

@@ -7,6 +7,10 @@ What the lesson rests on, checked here on gloo/CPU ranks:
 - a crash half-way through a save leaves the earlier checkpoint loadable and no half one;
 - the newest complete checkpoint is found among planted partial and broken ones;
 - SLURM's environment becomes the torchrun arguments every node agrees on;
+- an FSDP2 checkpoint written by 4 ranks with torch.distributed.checkpoint loads on 2 and goes
+  on as one process would;
+- TORCH_DISTRIBUTED_DEBUG=DETAIL names mismatched collectives, monitored_barrier the rank that
+  did not arrive, and faulthandler's stacks where each rank is (never waiting long);
 - the lesson's scripts resume exactly in-process, and under torchrun: a rank SIGKILLed with a
   restart left is restarted and resumed; with none left, torchrun says which rank died and how;
   two torchrun agents form one group of two nodes and train what one node trains.
@@ -15,6 +19,8 @@ What the lesson rests on, checked here on gloo/CPU ranks:
 from __future__ import annotations
 
 import copy
+import datetime
+import faulthandler
 import io
 import os
 import random
@@ -25,13 +31,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - the first fully_shard() imports it: a second per rank
 import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401 - imported here once, so forked ranks have it
+import torch.distributed.fsdp  # noqa: F401 - the same: seconds per rank otherwise
 import torch.nn.functional as F
-from gpt import GPT, GPTConfig, parameter_digest
+from gpt import GPT, CharDataset, GPTConfig, parameter_digest
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module
+from harness.compare import assert_parameters_close
+from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module, raise_if_untouched
+from harness.hardware import needs_gpus
 from harness.launch import start_script
 from harness.ranks import run_on_ranks
 
@@ -191,6 +202,8 @@ def test_the_sampler_resumes_an_epoch_where_it_stopped(ex):
 
 @pytest.mark.task9_1
 def test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped(ex, tmp_path):
+    raise_if_untouched(ex.ResumableSampler.set_epoch, ex.ResumableSampler.__iter__,
+                       ex.save_training_state, ex.load_training_state)
     ranks = run_on_ranks(resume_on_rank, str(ex.__file__), str(tmp_path), world_size=2)
     listing = ranks[0]["listing"]
     assert "step-00000005" in listing, f"no checkpoint directory step-00000005: found {listing}"
@@ -290,6 +303,8 @@ def crash_on_rank(ctx, ex_path: str, folder: str) -> dict:
 
 @pytest.mark.task9_1
 def test_a_crash_during_a_save_leaves_the_last_checkpoint_whole(ex, tmp_path):
+    raise_if_untouched(ex.ResumableSampler.set_epoch, ex.ResumableSampler.__iter__,
+                       ex.save_training_state, ex.load_training_state)
     got = run_on_ranks(crash_on_rank, str(ex.__file__), str(tmp_path), world_size=1)[0]
     assert got["raised"], "the save whose torch.save failed returned as if it had succeeded"
     assert "step-00000003" not in got["after_crash"], (
@@ -464,7 +479,7 @@ def test_resume_point_picks_the_newest_complete_checkpoint(ex, tmp_path):
 
 def script_fit_on_rank(ctx, name: str, folder: str | None, **options) -> dict:
     script = load_lesson_module(LESSON, name)
-    quiet = dict(epochs=2, batch_size=8, train_windows=64, dropout=0.1,
+    quiet = dict(epochs=2, batch_size=8, train_windows=32, dropout=0.1,
                  log=lambda *args, **kwargs: None)
     model, _, result = script.fit(ctx.device, checkpoint_dir=folder and Path(folder),
                                   **{**quiet, **options})
@@ -474,8 +489,8 @@ def script_fit_on_rank(ctx, name: str, folder: str | None, **options) -> dict:
 def test_train_checkpoint_resumes_from_an_epoch_bitwise(tmp_path):
     whole = run_on_ranks(script_fit_on_rank, "train_checkpoint", str(tmp_path), world_size=2)
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert saved == ["step-00000004", "step-00000008"], saved  # 4 steps an epoch, 2 epochs
-    shutil.rmtree(tmp_path / "step-00000008")  # as if it had stopped after epoch 1
+    assert saved == ["step-00000002", "step-00000004"], saved  # 2 steps an epoch, 2 epochs
+    shutil.rmtree(tmp_path / "step-00000004")  # as if it had stopped after epoch 1
     resumed = run_on_ranks(script_fit_on_rank, "train_checkpoint", str(tmp_path), world_size=2)
     assert resumed[0]["digest"] == whole[0]["digest"], "resumed after epoch 1: other weights"
     assert resumed[0]["train_loss"] == whole[0]["train_loss"][1:]
@@ -483,12 +498,12 @@ def test_train_checkpoint_resumes_from_an_epoch_bitwise(tmp_path):
 
 def test_train_resilient_resumes_mid_epoch_bitwise(tmp_path):
     whole = run_on_ranks(script_fit_on_rank, "train_resilient", str(tmp_path), world_size=2,
-                         save_every=3)
+                         batch_size=4, save_every=3)
     saved = sorted(p.name for p in tmp_path.iterdir())
     assert saved == ["step-00000003", "step-00000006"], saved  # 8 steps, 4 an epoch
     shutil.rmtree(tmp_path / "step-00000006")  # as if it had stopped after step 5
     resumed = run_on_ranks(script_fit_on_rank, "train_resilient", str(tmp_path), world_size=2,
-                           save_every=3)
+                           batch_size=4, save_every=3)
     assert resumed[0]["digest"] == whole[0]["digest"], "resumed at step 3, mid-epoch: other"
 
 
@@ -519,9 +534,10 @@ def launches(tmp_path_factory):
                                 "--crash-at-step", "5", launcher="torchrun", nproc=2,
                                 launcher_args=("--max-restarts=1",), env=RESTARTABLE,
                                 timeout=90),
+        # One process: the last rank is rank 0, and one fewer process to start.
         "no-restart": start_script(RESILIENT, *common, "--checkpoint-dir",
                                    str(folders["no-restart"]), "--crash-at-step", "5",
-                                   launcher="torchrun", nproc=2, check=False, timeout=90),
+                                   launcher="torchrun", nproc=1, check=False, timeout=90),
     }
     # Two nodes on this machine: the batch script, with a stand-in for srun that starts one
     # task per emulated node (hosts 127.0.0.1 and 127.0.0.2), each a torchrun of one process.
@@ -545,7 +561,7 @@ def free_port() -> int:
 def uninterrupted() -> str:
     """The weights of the torchrun runs' settings, trained without a stop on 2 pooled ranks."""
     return run_on_ranks(script_fit_on_rank, "train_resilient", None, world_size=2,
-                        epochs=1, batch_size=4, save_every=3)[0]["digest"]
+                        epochs=1, batch_size=4, train_windows=64, save_every=3)[0]["digest"]
 
 
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(launches, uninterrupted):
@@ -567,7 +583,7 @@ def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
     assert run.returncode != 0
     assert "killing itself after step 5" in run.output
     assert "Signal 9 (SIGKILL)" in run.output, run.output[-3000:]
-    assert "rank      : 1" in run.output or "rank: 1" in run.output, run.output[-3000:]
+    assert "rank      : 0 (local_rank: 0)" in run.output, run.output[-3000:]
     saved = sorted(p.name for p in launches["folders"]["no-restart"].iterdir())
     assert saved == ["step-00000003"], f"the checkpoint to resume from by hand: {saved}"
 
@@ -587,6 +603,115 @@ def test_a_slurm_job_of_two_nodes_trains_what_one_node_trains(launches, uninterr
 
 def field(name: str, line: str) -> str:
     return line.split(f" {name}=" if f" {name}=" in line else f"{name}=", 1)[1].split()[0]
+
+
+def dcp_save_on_rank(ctx, folder: str) -> dict:
+    script = load_lesson_module(LESSON, "sharded_checkpoint")
+    dataset = CharDataset(32)
+    model, optimizer = script.build(GPTConfig.named("tiny", vocab_size=dataset.vocab_size))
+    script.train(model, optimizer, dataset, 0, 3, 8)
+    script.save(Path(folder) / "step-00000003", model, optimizer, 3)
+    return {"whole": script.full_state(model)}
+
+
+def dcp_resume_on_rank(ctx, folder: str) -> dict:
+    script = load_lesson_module(LESSON, "sharded_checkpoint")
+    dataset = CharDataset(32)
+    model, optimizer = script.build(GPTConfig.named("tiny", vocab_size=dataset.vocab_size))
+    path = script.newest_checkpoint(Path(folder))
+    step = script.load(path, model, optimizer)
+    loaded = script.full_state(model)
+    script.train(model, optimizer, dataset, step, 6, 8)
+    return {"path": path.name, "step": step, "loaded": loaded, "final": script.full_state(model)}
+
+
+def test_a_sharded_checkpoint_of_4_ranks_resumes_on_2(tmp_path):
+    """torch.distributed.checkpoint: 4 ranks save their shards, 2 load them and go on; the
+    result is one process's 6 steps (fp32 tolerance: the sums are split differently)."""
+    saved = run_on_ranks(dcp_save_on_rank, str(tmp_path), world_size=4)[0]["whole"]
+    files = sorted(p.name for p in (tmp_path / "step-00000003").iterdir())
+    assert files == [".metadata"] + [f"__{rank}_0.distcp" for rank in range(4)], files
+    resumed = run_on_ranks(dcp_resume_on_rank, str(tmp_path), world_size=2)[0]
+    assert (resumed["path"], resumed["step"]) == ("step-00000003", 3)
+    for name, tensor in saved.items():  # resharding moves bytes; it changes none
+        assert torch.equal(resumed["loaded"][name], tensor), f"{name} changed in the resharding"
+    script = load_lesson_module(LESSON, "sharded_checkpoint")
+    dataset = CharDataset(32)
+    alone, optimizer = script.build(GPTConfig.named("tiny", vocab_size=dataset.vocab_size),
+                                    shard=False)
+    script.train(alone, optimizer, dataset, 0, 6, 8, share=False)
+    assert_parameters_close(resumed["final"], alone.state_dict(), "after resharding 4 -> 2")
+
+
+def hang_on_rank(ctx, bug: str, detail: bool = False, monitor: float | None = None,
+                 dump_after: float | None = None, folder: str = "") -> dict:
+    """find_a_hang.py's step with ``bug`` on a group of its own, with a short timeout (the
+    pool's own group stays healthy); returns what each tool said on this rank."""
+    script = load_lesson_module(LESSON, "find_a_hang")
+    if detail:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # groups created now check every call
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    stacks = Path(folder) / f"stacks-{ctx.rank}.txt" if dump_after else None
+    out = open(stacks, "w") if stacks else None
+    if out:
+        faulthandler.dump_traceback_later(dump_after, exit=False, file=out)
+    check_in = script.monitored(monitor, group=group) if monitor else None
+    try:
+        script.suspect(ctx.rank, bug, check_in, group=group, stuck_for=1.5)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    finally:
+        if out:
+            faulthandler.cancel_dump_traceback_later()
+            out.close()
+    dist.destroy_process_group(group)
+    return {"error": error, "stacks": stacks.read_text() if stacks else ""}
+
+
+@pytest.mark.parametrize("bug, ops", [("order", ("ALLREDUCE", "BROADCAST")),
+                                      ("shapes", ("TensorShape=[4]", "TensorShape=[5]")),
+                                      ("skipped", ("ALLREDUCE",))])
+def test_distributed_debug_detail_names_the_mismatched_calls(bug, ops):
+    ranks = run_on_ranks(hang_on_rank, bug, detail=True, world_size=2)
+    for rank, got in enumerate(ranks):
+        assert got["error"] and "Detected mismatch between collectives on ranks" in got["error"], (
+            f"rank {rank}: {got['error']}")
+    assert all(op in ranks[0]["error"] for op in ops), ranks[0]["error"]
+
+
+def test_monitored_barrier_names_the_straggler_and_the_stacks_show_where_each_rank_is(tmp_path):
+    ranks = run_on_ranks(hang_on_rank, "straggler", monitor=0.5, dump_after=0.3,
+                         folder=str(tmp_path), world_size=2)
+    assert "Ranks 1 failed to pass monitoredBarrier in 500 ms" in (ranks[0]["error"] or ""), (
+        ranks[0]["error"])
+    # The watchdog's stacks: rank 0 waits in the barrier, rank 1 is stuck reading its data.
+    assert "in monitored_barrier" in ranks[0]["stacks"], ranks[0]["stacks"]
+    assert "in load_batch" in ranks[1]["stacks"], ranks[1]["stacks"]
+
+
+@needs_gpus(1, "nccl and CUDA generators: train_resilient.py killed and restarted on a GPU")
+def test_on_a_gpu_a_killed_rank_is_restarted_and_resumes(tmp_path):
+    """One process per GPU (at most 2), nccl, dropout drawing from the CUDA generator: killed
+    after step 5, restarted, resumed from step 3. On a GPU the embedding's backward adds with
+    atomics (an order that varies), so the weights are compared within fp32 tolerance."""
+    gpus = min(2, torch.cuda.device_count())
+    common = ("--epochs", "1", "--batch-size", "4", "--train-windows", "64", "--dropout", "0.1",
+              "--save-every", "3")
+    runs = {name: start_script(RESILIENT, *common, *extra, "--checkpoint",
+                               str(tmp_path / f"{name}.pt"), launcher="torchrun", nproc=gpus,
+                               launcher_args=launcher_args, env=RESTARTABLE, timeout=240)
+            for name, extra, launcher_args in (
+                ("whole", (), ()),
+                ("restarted", ("--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-at-step",
+                               "5"), ("--max-restarts=1",)))}
+    restarted = runs["restarted"].result()
+    assert runs["whole"].result().data["backend"] == "nccl"
+    assert "resumed from" in restarted.output and "step-00000003" in restarted.output
+    weights = {name: torch.load(tmp_path / f"{name}.pt", weights_only=True)["model"]
+               for name in runs}
+    assert_parameters_close(weights["restarted"], weights["whole"], "killed and resumed on GPU")
 
 
 def test_zip_archives_cut_short_do_not_open(tmp_path):

@@ -3,6 +3,11 @@
     torchrun --standalone --nproc-per-node=2 \
         lessons/09_survive_and_scale_out/train_checkpoint.py --checkpoint-dir ckpt --dropout 0.1
 
+--fp16 computes in float16 under autocast with a GradScaler: the loss is scaled up before
+backward so that small gradients do not flush to zero, and scaled back before the step, which is
+skipped when a gradient overflowed. The scaler's state is part of the training state: the
+checkpoint holds it beside the weights. --bf16 needs no scaler (bf16 has fp32's range).
+
 After each epoch ckpt/step-<N>/train.pt gets the model, optimizer, learning-rate schedule,
 GradScaler, position and every rank's generators, under a name one rename makes complete.
 Started again, it resumes from the newest and ends bitwise equal to a run that never stopped.
@@ -154,16 +159,16 @@ def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
     return dataset.decode(ids[0, 1:])
 
 
-def save_state(path: Path, model, optimizer, scheduler, scaler, position: dict) -> None:
+def save_state(path: Path, parts: dict, position: dict) -> None:
     """Rank 0 writes <path>.partial/train.pt, with every rank's generators, then renames it."""
     generators = [None] * dist.get_world_size()  # each rank's: they draw different masks
-    dist.all_gather_object(generators, {"torch": torch.get_rng_state(),
-                                        "python": random.getstate()})
+    mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+    dist.all_gather_object(generators, mine)
     if dist.get_rank() == 0:
         partial = path.with_name(path.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)  # an earlier crash's is overwritten
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+        torch.save({**{name: part.state_dict() for name, part in parts.items()},
                     "position": position, "generators": generators}, partial / "train.pt")
         os.replace(partial, path)  # the checkpoint appears whole, or not at all
     dist.barrier()  # no rank goes on before it is there
@@ -176,14 +181,15 @@ def resume_point(folder: Path) -> Path | None:
     return max(found, key=lambda path: int(path.name[5:]), default=None)
 
 
-def load_state(path: Path, model, optimizer, scheduler, scaler, device) -> dict:
+def load_state(path: Path, parts: dict, device) -> dict:
     state = torch.load(path / "train.pt", map_location=device, weights_only=True)
-    for name, part in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
-                       ("scaler", scaler)):
+    for name, part in parts.items():
         part.load_state_dict(state[name])
     generators = state["generators"][dist.get_rank()]  # this rank's own
     torch.set_rng_state(generators["torch"])
     random.setstate(generators["python"])
+    if generators["cuda"] is not None:  # this process's GPU's: dropout on a GPU draws there
+        torch.cuda.set_rng_state(generators["cuda"])
     return state["position"]
 
 
@@ -235,10 +241,11 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
               "train_loss": [], "val_loss": [], "val_accuracy": [], "epoch_seconds": []}
     log(f"sample before training: {result['sample_before']!r}")
     torch.manual_seed(seed + dist.get_rank())  # each rank draws its own dropout masks
+    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     position = {"epoch": 1, "step": 0}  # the next epoch to train, the steps taken
     resume = resume_point(checkpoint_dir) if checkpoint_dir else None
     if resume is not None:
-        position = load_state(resume, model, optimizer, scheduler, scaler, device)
+        position = load_state(resume, parts, device)
         log(f"resumed from {resume}: epoch {position['epoch']}, step {position['step']}")
     for epoch in range(position["epoch"], epochs + 1):
         sync(device)  # start the clock with nothing still queued from before
@@ -256,8 +263,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
             f"val acc {val_accuracy:6.1%}  {len(train_set) / seconds:9,.0f} samples/s")
         position = {"epoch": epoch + 1, "step": position["step"] + len(train_loader)}
         if checkpoint_dir is not None:
-            save_state(checkpoint_dir / f"step-{position['step']:08d}", model, optimizer,
-                       scheduler, scaler, position)
+            save_state(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
 
     # The first epoch pays one-off costs (CUDA start-up, kernel selection, compilation).
     steady = result["epoch_seconds"][1:] or result["epoch_seconds"]

@@ -3,6 +3,15 @@
     torchrun --standalone --nproc-per-node=2 --max-restarts=1 \
         lessons/09_survive_and_scale_out/train_resilient.py --checkpoint-dir ckpt --save-every 3
 
+--fp16 computes in float16 under autocast with a GradScaler: the loss is scaled up before
+backward so that small gradients do not flush to zero, and scaled back before the step, which is
+skipped when a gradient overflowed. The scaler's state is part of the training state: the
+checkpoint holds it beside the weights. --bf16 needs no scaler (bf16 has fp32's range).
+
+After each epoch ckpt/step-<N>/train.pt gets the model, optimizer, learning-rate schedule,
+GradScaler, position and every rank's generators, under a name one rename makes complete.
+Started again, it resumes from the newest and ends bitwise equal to a run that never stopped.
+
 --save-every N checkpoints after every N steps, with the place inside the epoch; the sampler
 resumes there. --crash-at-step S kills the last rank after step S (first attempt only):
 torchrun --max-restarts=1 starts the group again and the script resumes, bitwise exact.
@@ -178,16 +187,16 @@ def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
     return dataset.decode(ids[0, 1:])
 
 
-def save_state(path: Path, model, optimizer, scheduler, scaler, position: dict) -> None:
+def save_state(path: Path, parts: dict, position: dict) -> None:
     """Rank 0 writes <path>.partial/train.pt, with every rank's generators, then renames it."""
     generators = [None] * dist.get_world_size()  # each rank's: they draw different masks
-    dist.all_gather_object(generators, {"torch": torch.get_rng_state(),
-                                        "python": random.getstate()})
+    mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+    dist.all_gather_object(generators, mine)
     if dist.get_rank() == 0:
         partial = path.with_name(path.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)  # an earlier crash's is overwritten
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+        torch.save({**{name: part.state_dict() for name, part in parts.items()},
                     "position": position, "generators": generators}, partial / "train.pt")
         os.replace(partial, path)  # the checkpoint appears whole, or not at all
     dist.barrier()  # no rank goes on before it is there
@@ -200,14 +209,15 @@ def resume_point(folder: Path) -> Path | None:
     return max(found, key=lambda path: int(path.name[5:]), default=None)
 
 
-def load_state(path: Path, model, optimizer, scheduler, scaler, device) -> dict:
+def load_state(path: Path, parts: dict, device) -> dict:
     state = torch.load(path / "train.pt", map_location=device, weights_only=True)
-    for name, part in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
-                       ("scaler", scaler)):
+    for name, part in parts.items():
         part.load_state_dict(state[name])
     generators = state["generators"][dist.get_rank()]  # this rank's own
     torch.set_rng_state(generators["torch"])
     random.setstate(generators["python"])
+    if generators["cuda"] is not None:  # this process's GPU's: dropout on a GPU draws there
+        torch.cuda.set_rng_state(generators["cuda"])
     return state["position"]
 
 
@@ -260,10 +270,11 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
               "train_loss": [], "val_loss": [], "val_accuracy": [], "epoch_seconds": []}
     log(f"sample before training: {result['sample_before']!r}")
     torch.manual_seed(seed + dist.get_rank())  # each rank draws its own dropout masks
+    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     position = {"epoch": 1, "start": 0, "step": 0}  # start: this rank's samples done this epoch
     resume = resume_point(checkpoint_dir) if checkpoint_dir else None
     if resume is not None:
-        position = load_state(resume, model, optimizer, scheduler, scaler, device)
+        position = load_state(resume, parts, device)
         log(f"resumed from {resume}: epoch {position['epoch']}, step {position['step']}")
 
     def after_step(position: dict) -> None:
@@ -271,8 +282,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
             position.update(epoch=position["epoch"] + 1, start=0)
         every = position["step"] % save_every == 0 if save_every else position["start"] == 0
         if checkpoint_dir is not None and every:  # every N steps, or at the end of each epoch
-            save_state(checkpoint_dir / f"step-{position['step']:08d}", model, optimizer,
-                       scheduler, scaler, position)
+            save_state(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
         rank, first_try = dist.get_rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if position["step"] == crash_at_step and first_try and rank == dist.get_world_size() - 1:
             print(f"rank {rank}: killing itself after step {crash_at_step}", flush=True)

@@ -130,6 +130,8 @@ COURSE: tuple[Lesson, ...] = (
                    builds_on="08_measure_and_choose/train_amp.py"),
             Script("train_resilient.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
                    builds_on="09_survive_and_scale_out/train_checkpoint.py"),
+            Script("sharded_checkpoint.py", "torchrun", 2, ("--steps", "1")),
+            Script("find_a_hang.py", "torchrun", 2, ("--bug", "none", "--dump-after", "60")),
             Script("slurm_args.py", smallest=(
                 "--env", "SLURM_JOB_ID=1", "--env", "SLURM_JOB_NUM_NODES=2",
                 "--env", "SLURM_JOB_NODELIST=node[1-2]", "--env", "SLURM_GPUS_ON_NODE=4")))),
