@@ -11,7 +11,9 @@ import gc
 import inspect
 import io
 import os
+import signal
 import subprocess
+import time
 import warnings
 from datetime import timedelta
 
@@ -637,3 +639,58 @@ def test_monitored_barrier_is_for_gloo_and_detail_wraps_new_groups():
     source = inspect.getsource(dist.distributed_c10d._new_process_group_helper)
     assert "get_debug_level() == DebugLevel.DETAIL" in source
     assert "_create_process_group_wrapper(" in source
+
+
+RESILIENT = REPO_ROOT / "lessons" / "09_survive_and_scale_out" / "train_resilient.py"
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_whose_other_node_never_comes_gives_up_after_its_join_timeout():
+    """09 README, restarts: "a node that never joins: each agent waits at most
+    `--rdzv-conf=join_timeout=<seconds>`, then fails naming the rendezvous"."""
+    import socket
+
+    from harness.launch import run_script
+
+    with socket.socket() as probe:  # a free port for the rendezvous; nobody else will come
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    began = time.monotonic()
+    run = run_script(RESILIENT, "--epochs", "1", launcher="torchrun-node", nproc=1,
+                     result=False, check=False, timeout=90, launcher_args=(
+                         "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                         "--rdzv-id=alone", "--rdzv-conf=join_timeout=5"))
+    assert run.returncode != 0
+    assert "RendezvousTimeoutError" in run.output, run.output[-3000:]
+    assert "RANK=" not in run.output, "no worker may start without the whole group"
+    assert time.monotonic() - began < 60
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_to_torchrun_stops_every_worker():
+    """09 README, restarts: "Ctrl-C to torchrun stops every process it started"."""
+    from harness.launch import Launch, _descendants
+
+    launch = Launch(RESILIENT, "--epochs", "50", launcher="torchrun", nproc=2, result=False,
+                    check=False, timeout=90)
+    deadline = time.monotonic() + 60
+    workers = []
+    while time.monotonic() < deadline and len(workers) < 2:
+        time.sleep(0.5)
+        workers = [pid for pid in _descendants(launch._proc.pid)
+                   if "train_resilient.py" in _command_line(pid)]
+    assert len(workers) == 2, f"the two workers did not start: {workers}"
+    time.sleep(2)  # inside training by now
+    os.kill(launch._proc.pid, signal.SIGINT)  # what Ctrl-C sends to the launcher
+    run = launch.result()
+    assert run.returncode != 0
+    alive = [pid for pid in workers if _command_line(pid)]
+    assert not alive, f"workers left running after Ctrl-C: {alive}"
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -22,6 +22,7 @@ import time
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - the first fully_shard() imports it: a second per rank
 import torch.distributed as dist
 import torch.distributed.fsdp  # noqa: F401 - imported here once, so that forked ranks have it
 from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest

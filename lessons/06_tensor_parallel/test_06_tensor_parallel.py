@@ -20,6 +20,7 @@ import re
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - the first fully_shard() imports it: a second per rank
 import torch.distributed as dist
 import torch.distributed.fsdp  # noqa: F401 - imported here once, so that forked ranks have it
 import torch.distributed.tensor.parallel  # noqa: F401 - likewise

@@ -407,6 +407,24 @@ def test_two_jobs_do_not_share_a_port(ex):
         "would collide; derive the port from SLURM_JOB_ID (20000 + id % 10000)")
 
 
+def test_slurm_args_py_follows_the_same_table(outside_launcher, capsys):
+    """The script the batch file runs carries its own copy of the mapping (it must run on a
+    cluster's node alone): the same table grades it, and its errors end in a clear exit."""
+    script = load_lesson_module(LESSON, "slurm_args")
+    for nodelist, hosts in NODELISTS.items():
+        assert script.expand_nodelist(nodelist) == hosts, nodelist
+    for case, (env, want) in ENVIRONMENTS.items():
+        assert script.slurm_to_torchrun(env) == want, case
+    for variable, env in BAD_ENVIRONMENTS.items():
+        with pytest.raises(ValueError, match=variable):
+            script.slurm_to_torchrun(env)
+    pairs = [f"--env={name}={value}" for name, value in JOB.items()]
+    assert script.main(pairs) == 0
+    assert capsys.readouterr().out.split() == ENVIRONMENTS["two nodes, four GPUs each"][1]
+    assert script.main(pairs[1:]) == 2  # no SLURM_JOB_ID
+    assert "SLURM_JOB_ID is not set" in capsys.readouterr().err
+
+
 BAD_ENVIRONMENTS = {
     "SLURM_JOB_NODELIST": {k: v for k, v in JOB.items() if k != "SLURM_JOB_NODELIST"},
     "SLURM_JOB_NUM_NODES": {**JOB, "SLURM_JOB_NUM_NODES": "3"},
@@ -564,6 +582,7 @@ def uninterrupted() -> str:
                         epochs=1, batch_size=4, train_windows=64, save_every=3)[0]["digest"]
 
 
+@pytest.mark.slow  # a torchrun launch
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(launches, uninterrupted):
     run = launches["runs"]["restart"].result()
     assert "killing itself after step 5" in run.output
@@ -578,6 +597,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(launches, u
         "killed at step 5, restarted, resumed from step 3: not the uninterrupted run's weights")
 
 
+@pytest.mark.slow  # a torchrun launch
 def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
     run = launches["runs"]["no-restart"].result()
     assert run.returncode != 0
@@ -588,6 +608,7 @@ def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
     assert saved == ["step-00000003"], f"the checkpoint to resume from by hand: {saved}"
 
 
+@pytest.mark.slow  # a torchrun launch
 def test_a_slurm_job_of_two_nodes_trains_what_one_node_trains(launches, uninterrupted):
     run = launches["runs"]["two nodes"].result()
     lines = [line for line in run.output.splitlines() if "GROUP_RANK=" in line]
@@ -691,6 +712,7 @@ def test_monitored_barrier_names_the_straggler_and_the_stacks_show_where_each_ra
     assert "in load_batch" in ranks[1]["stacks"], ranks[1]["stacks"]
 
 
+@pytest.mark.slow  # a torchrun launch
 @needs_gpus(1, "nccl and CUDA generators: train_resilient.py killed and restarted on a GPU")
 def test_on_a_gpu_a_killed_rank_is_restarted_and_resumes(tmp_path):
     """One process per GPU (at most 2), nccl, dropout drawing from the CUDA generator: killed

@@ -34,6 +34,9 @@ _SERVER = r"""
 import atexit, json, os, signal, sys, threading, time, traceback
 # The expensive imports, once. Nothing of the course: children import their own copy of it.
 import torch, torch.distributed, torch.multiprocessing, torch.nn, torch.utils.data  # noqa
+# What lessons 05, 06 and 09 load on top (FSDP's first call imports torch._dynamo): seconds a run.
+import torch._dynamo, torch.distributed.checkpoint, torch.distributed.fsdp  # noqa
+import torch.distributed.tensor.parallel  # noqa
 import pytest
 
 for line in sys.stdin:

@@ -76,6 +76,8 @@ LAUNCH_TIMEOUT = 120.0  # seconds; a launch takes 2-3 s on a 2-core CPU, ~15 s o
 LAUNCHERS = {
     "python": [sys.executable],
     "torchrun": [*_torchrun_command(), "--standalone", "--tee", "3"],
+    # One node of several: the caller gives --nnodes and the rendezvous in launcher_args.
+    "torchrun-node": [*_torchrun_command(), "--tee", "3"],
     # A shell script (a SLURM batch script, run by hand): it starts its launchers itself.
     "bash": ["bash"],
     "launch": [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--tee", "3"],
@@ -257,8 +259,8 @@ def start_script(script: str | os.PathLike, *args: str, **options) -> Launch:
 def run_script(script: str | os.PathLike, *args: str, launcher: str = "python", nproc: int = 1,
                result: bool = True, timeout: float = LAUNCH_TIMEOUT, env: dict | None = None,
                check: bool = True, launcher_args: tuple = ()) -> LaunchResult:
-    """Run ``script`` with ``launcher`` ('python', 'torchrun', 'launch' or 'bash') on ``nproc``
-    ranks; ``launcher_args`` go to the launcher (``("--max-restarts=1",)``).
+    """Run ``script`` with ``launcher`` (a key of ``LAUNCHERS``) on ``nproc`` ranks;
+    ``launcher_args`` go to the launcher (``("--max-restarts=1",)``).
 
     With ``result=True`` the script gets ``--result <file>`` and the JSON it writes there is
     returned in ``.data``. With ``check=True`` a non-zero exit raises :class:`LaunchError`
