@@ -378,7 +378,9 @@ def main(argv=None) -> int:
     log = print if rank == 0 else (lambda *args, **kwargs: None)  # progress from rank 0 only
     where = " ".join(f"{name}={os.environ.get(name, '-')}" for name in (
         "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"))
-    print(f"{where} device={device}", flush=True)  # every rank: who it is, where it runs
+    # Every rank: who it is, where it runs. One write, so that lines of processes that share a
+    # terminal (two torchruns on one machine) stay whole.
+    print(f"{where} device={device}\n", end="", flush=True)
     options = {"gradient_as_bucket_view": args.gradient_as_bucket_view,
                **({"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {})}
     model, scaler, result = fit(
