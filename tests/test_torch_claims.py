@@ -648,13 +648,9 @@ RESILIENT = REPO_ROOT / "lessons" / "09_survive_and_scale_out" / "train_resilien
 def test_an_agent_whose_other_node_never_comes_gives_up_after_its_join_timeout():
     """09 README, restarts: "a node that never joins: each agent waits at most
     `--rdzv-conf=join_timeout=<seconds>`, then fails naming the rendezvous"."""
-    import socket
+    from harness.launch import free_port, run_script
 
-    from harness.launch import run_script
-
-    with socket.socket() as probe:  # a free port for the rendezvous; nobody else will come
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # for the rendezvous; nobody else will come
     began = time.monotonic()
     run = run_script(RESILIENT, "--epochs", "1", launcher="torchrun-node", nproc=1,
                      result=False, check=False, timeout=90, launcher_args=(
@@ -670,6 +666,7 @@ def test_an_agent_whose_other_node_never_comes_gives_up_after_its_join_timeout()
 def test_ctrl_c_to_torchrun_stops_every_worker():
     """09 README, restarts: "Ctrl-C to torchrun stops every process it started"."""
     from harness.launch import Launch, _descendants
+    from harness.selfcheck import command_line
 
     launch = Launch(RESILIENT, "--epochs", "50", launcher="torchrun", nproc=2, result=False,
                     check=False, timeout=90)
@@ -678,19 +675,11 @@ def test_ctrl_c_to_torchrun_stops_every_worker():
     while time.monotonic() < deadline and len(workers) < 2:
         time.sleep(0.5)
         workers = [pid for pid in _descendants(launch._proc.pid)
-                   if "train_resilient.py" in _command_line(pid)]
+                   if "train_resilient.py" in command_line(pid)]
     assert len(workers) == 2, f"the two workers did not start: {workers}"
     time.sleep(2)  # inside training by now
     os.kill(launch._proc.pid, signal.SIGINT)  # what Ctrl-C sends to the launcher
     run = launch.result()
     assert run.returncode != 0
-    alive = [pid for pid in workers if _command_line(pid)]
+    alive = [pid for pid in workers if command_line(pid)]
     assert not alive, f"workers left running after Ctrl-C: {alive}"
-
-
-def _command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""

@@ -26,7 +26,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import zipfile
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from harness.compare import assert_parameters_close
 from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import start_script
+from harness.launch import free_port, start_script
 from harness.ranks import run_on_ranks
 
 LESSON = "09_survive_and_scale_out"
@@ -80,9 +79,10 @@ class Run:
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.5)
         # growth_interval=1: the scale doubles every step, so a lost scaler state shows.
         self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1)
-        self.sampler = ex.ResumableSampler(dataset(), shuffle=True, seed=7)
+        data = dataset()
+        self.sampler = ex.ResumableSampler(data, shuffle=True, seed=7)
         # The loader's own generator: a new iterator must not draw from the global one.
-        self.loader = DataLoader(dataset(), BATCH, sampler=self.sampler,
+        self.loader = DataLoader(data, BATCH, sampler=self.sampler,
                                  generator=torch.Generator())
         torch.manual_seed(global_seed)  # dropout draws from here, differently on every rank
         random.seed(global_seed)
@@ -568,12 +568,6 @@ def launches(tmp_path_factory):
     yield {"runs": runs, "folders": folders}
     for run in runs.values():
         run.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:  # the OS picks a free port; the agents bind it right after
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

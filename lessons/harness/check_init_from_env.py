@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from unittest import mock
@@ -23,6 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness.exercises import load_exercise  # noqa: E402
+from harness.launch import free_port  # noqa: E402
 
 
 def under_launcher(ex) -> dict:
@@ -37,12 +37,6 @@ def under_launcher(ex) -> dict:
     })
     dist.destroy_process_group()
     return {"ranks": gathered}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def bad_environments(ex) -> dict:

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -84,30 +85,42 @@ LAUNCHERS = {
 }
 
 
+def free_port() -> int:
+    """A port the OS says is free now, for a rendezvous several launches must share (the
+    caller's launches bind it right after; a single launch uses --standalone instead)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 # In CI ($COURSE_CI_REPORTS set), every launch that ended leaves a line in this file there: the
 # integrity tests then know which lesson scripts the lesson tests already ran, and how it ended.
 LAUNCH_RECORD = "launches.jsonl"
 
 
-def _record_launch(script: Path, launcher: str, returncode: int) -> None:
+def _launch_record() -> Path | None:
+    """This CI run's record of launches, or None outside CI."""
     from harness.selfcheck import CI_REPORTS_ENV  # imported here: selfcheck imports much more
 
     folder = os.environ.get(CI_REPORTS_ENV)
-    if not folder:
+    return Path(folder) / LAUNCH_RECORD if folder else None
+
+
+def _record_launch(script: Path, launcher: str, returncode: int) -> None:
+    path = _launch_record()
+    if path is None:
         return
     line = json.dumps({"script": script.relative_to(REPO_ROOT).as_posix()
                        if script.is_relative_to(REPO_ROOT) else str(script),
                        "launcher": launcher, "returncode": returncode})
-    with open(Path(folder) / LAUNCH_RECORD, "a") as record:  # one short write: lines stay whole
+    with open(path, "a") as record:  # one short write: lines stay whole
         record.write(line + "\n")
 
 
 def recorded_launches() -> list[dict]:
     """What :func:`_record_launch` wrote in this CI run (empty outside CI)."""
-    from harness.selfcheck import CI_REPORTS_ENV
-
-    path = Path(os.environ.get(CI_REPORTS_ENV, "/nonexistent")) / LAUNCH_RECORD
-    if not os.environ.get(CI_REPORTS_ENV) or not path.is_file():
+    path = _launch_record()
+    if path is None or not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

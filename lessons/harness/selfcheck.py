@@ -175,6 +175,15 @@ def with_wrong_answer(solution_source: str, wrong_source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def command_line(pid: int) -> str:
+    """A live process's command line (Linux); "" once it has exited (a zombie has none)."""
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
 def processes_under(folder: Path) -> list[str]:
     """Live processes whose working directory or command line is inside ``folder`` (Linux)."""
     folder_text, found = str(folder), []
@@ -183,8 +192,10 @@ def processes_under(folder: Path) -> list[str]:
             continue
         try:
             cwd = os.readlink(entry / "cwd")
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
+            continue
+        command = command_line(int(entry.name))
+        if not command:  # gone since
             continue
         if cwd.startswith(folder_text) or folder_text in command:
             found.append(f"{entry.name}: {command.strip()[:120]}")
