@@ -607,6 +607,57 @@ def block_parameters(world: int) -> int:
     return split // world + whole
 
 
+def layer_input_grad_run(ctx, layer: str):
+    """The input gradient of one split block part (attention or MLP) alone, on this rank."""
+    ex = load_exercise(LESSON)
+    no_tf32()
+    block = make_gpt().blocks[0].to(ctx.device)
+    part = (ex.TensorParallelAttention(block.attn) if layer == "attn"
+            else ex.TensorParallelMLP(block.mlp))
+    x = rank_weights(-4, (BATCH, CONFIG["block_size"], CONFIG["n_embd"])).to(ctx.device)
+    x.requires_grad_(True)
+    c = rank_weights(-5, x.shape).to(ctx.device)
+    out = part(x)
+    (out * c).sum().backward()
+    return {"out": out.detach(), "grad": x.grad}
+
+
+@pytest.mark.task6_3
+@pytest.mark.parametrize("layer", ["attn", "mlp"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_split_attention_and_mlp_give_the_input_its_whole_gradient(ex, layer, world):
+    """The check a missing conjugate fails: the input's gradient on each rank is only its own
+    slice's part (1/W of the whole, on average), and the message says so. Before the training
+    test: with -x, its message is the one a learner reads first."""
+    raise_if_untouched(ex.TensorParallelAttention.__init__, ex.TensorParallelMLP.__init__)
+    results = run_on_ranks(layer_input_grad_run, layer, world_size=world)
+    block = make_gpt().blocks[0]
+    part = block.attn if layer == "attn" else block.mlp
+    x = rank_weights(-4, (BATCH, CONFIG["block_size"], CONFIG["n_embd"])).requires_grad_(True)
+    out = part(x)
+    (out * rank_weights(-5, x.shape)).sum().backward()
+    name = {"attn": "TensorParallelAttention", "mlp": "TensorParallelMLP"}[layer]
+    for rank, got in enumerate(results):
+        assert_close(got["out"], out.detach(), f"{name}'s output", rank)
+        try:
+            assert_close(got["grad"], x.grad, f"{name}: the gradient of its input", rank)
+        except AssertionError as error:
+            summed = sum(r["grad"] for r in results)
+            mean_ratio = float((got["grad"] * x.grad).sum() / (x.grad * x.grad).sum())
+            if torch.allclose(summed, x.grad, atol=1e-4):
+                why = (f"each rank's input gradient is only its own heads' or features' part "
+                       f"(on average 1/{world} of the whole: {mean_ratio:.2f} here); summed "
+                       f"over the {world} ranks it is right. The copy_to_parallel (f) at the "
+                       f"input of the split layers is missing")
+            elif torch.allclose(got["grad"], world * x.grad, rtol=1e-3, atol=1e-4):
+                why = (f"it is {world}x the whole: the input's gradient is all-reduced once "
+                       f"too often. ReduceFromParallel's (g's) backward must pass the gradient "
+                       f"through unchanged")
+            else:
+                why = ""
+            raise AssertionError(f"{error}" + (f": {why}" if why else "")) from None
+
+
 def hand_tp_run(ctx, steps: int):
     """The running example split by tensor_parallel_blocks, trained with SGD on the whole
     batch; every rank's parameters after each step, and the collectives of the first step."""
@@ -669,56 +720,6 @@ def test_tensor_parallel_gpt_trains_like_the_unsplit_model(ex, group):
     for step, whole in enumerate(one_process()):
         assert_slices_of([r["states"][step] for r in results], whole,
                          f"after SGD step {step + 1}, the parameter")
-
-
-def layer_input_grad_run(ctx, layer: str):
-    """The input gradient of one split block part (attention or MLP) alone, on this rank."""
-    ex = load_exercise(LESSON)
-    no_tf32()
-    block = make_gpt().blocks[0].to(ctx.device)
-    part = (ex.TensorParallelAttention(block.attn) if layer == "attn"
-            else ex.TensorParallelMLP(block.mlp))
-    x = rank_weights(-4, (BATCH, CONFIG["block_size"], CONFIG["n_embd"])).to(ctx.device)
-    x.requires_grad_(True)
-    c = rank_weights(-5, x.shape).to(ctx.device)
-    out = part(x)
-    (out * c).sum().backward()
-    return {"out": out.detach(), "grad": x.grad}
-
-
-@pytest.mark.task6_3
-@pytest.mark.parametrize("layer", ["attn", "mlp"])
-@pytest.mark.parametrize("world", WORLDS)
-def test_split_attention_and_mlp_give_the_input_its_whole_gradient(ex, layer, world):
-    """The check a missing conjugate fails: the input's gradient on each rank is only its own
-    slice's part (1/W of the whole, on average), and the message says so."""
-    raise_if_untouched(ex.TensorParallelAttention.__init__, ex.TensorParallelMLP.__init__)
-    results = run_on_ranks(layer_input_grad_run, layer, world_size=world)
-    block = make_gpt().blocks[0]
-    part = block.attn if layer == "attn" else block.mlp
-    x = rank_weights(-4, (BATCH, CONFIG["block_size"], CONFIG["n_embd"])).requires_grad_(True)
-    out = part(x)
-    (out * rank_weights(-5, x.shape)).sum().backward()
-    name = {"attn": "TensorParallelAttention", "mlp": "TensorParallelMLP"}[layer]
-    for rank, got in enumerate(results):
-        assert_close(got["out"], out.detach(), f"{name}'s output", rank)
-        try:
-            assert_close(got["grad"], x.grad, f"{name}: the gradient of its input", rank)
-        except AssertionError as error:
-            summed = sum(r["grad"] for r in results)
-            mean_ratio = float((got["grad"] * x.grad).sum() / (x.grad * x.grad).sum())
-            if torch.allclose(summed, x.grad, atol=1e-4):
-                why = (f"each rank's input gradient is only its own heads' or features' part "
-                       f"(on average 1/{world} of the whole: {mean_ratio:.2f} here); summed "
-                       f"over the {world} ranks it is right. The copy_to_parallel (f) at the "
-                       f"input of the split layers is missing")
-            elif torch.allclose(got["grad"], world * x.grad, rtol=1e-3, atol=1e-4):
-                why = (f"it is {world}x the whole: the input's gradient is all-reduced once "
-                       f"too often. ReduceFromParallel's (g's) backward must pass the gradient "
-                       f"through unchanged")
-            else:
-                why = ""
-            raise AssertionError(f"{error}" + (f": {why}" if why else "")) from None
 
 
 @pytest.mark.task6_3

@@ -97,8 +97,7 @@ def sync(device: torch.device) -> None:
 def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.device, mesh):
     # Pinned (page-locked) host memory is what lets a host-to-GPU copy run asynchronously.
     pin = device.type == "cuda"
-    # Each dp row takes its 1/dp of the indices, shuffled from `seed` and the epoch alike; the
-    # tp ranks of a row take the same ones: they compute one model on one batch together.
+    # Each dp row takes its 1/dp of the indices; the tp ranks of a row take the same ones.
     sampler = DistributedSampler(train_set, num_replicas=mesh["dp"].size(),
                                  rank=mesh["dp"].get_local_rank(), shuffle=True, seed=seed)
     train_loader = DataLoader(train_set, batch_size, sampler=sampler, pin_memory=pin)
@@ -153,8 +152,8 @@ def evaluate(model, loader, device, bf16: bool = False) -> tuple[float, float]:
     return (loss_sum / seen).item(), (correct / seen).item()
 
 
-def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
-    """``length`` characters generated after a newline, always from the same random draws."""
+def sample(model, dataset: CharDataset, device, length: int = 20) -> str:
+    """``length`` characters after a newline (20: each one pays a split forward's collectives)."""
     start = torch.tensor([dataset.encode("\n")], device=device)
     ids = model.generate(start, length, generator=torch.Generator().manual_seed(0))
     return dataset.decode(ids[0, 1:])
@@ -313,8 +312,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "to share out)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16: FSDP's policy, autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--tp", type=positive_int, help="tensor-parallel degree: processes "
-                        "that split each layer (default: all); the rest is data parallel")
+    parser.add_argument("--tp", type=positive_int, help="tensor-parallel degree (default: all)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                         default=True, help="free each block's gathered parameters after its "
                         "forward, gather again for backward (default; --no-...: keep them)")

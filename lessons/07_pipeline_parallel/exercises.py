@@ -137,8 +137,8 @@ def torch_schedule(module: nn.Module, stage: int, num_stages: int, num_micro_bat
     ``loss_fn``. torch cuts the batch, sends and receives, and averages the micro-batches'
     gradients (``scale_grads=True``, its default).
 
-    The test steps it with ``torch_step`` and compares every stage's parameters with the hand
-    version's and the unsplit model's.
+    The test steps it with ``torch_step`` and compares every stage's parameters with the unsplit
+    model's, the reference task7_2's test holds the hand-written runner to.
     """
     raise NotImplementedError("task7_4: a PipelineStage, and Schedule1F1B or ScheduleGPipe on it")
 # --8<-- [end:torch_schedule]

@@ -462,6 +462,36 @@ def test_split_gpt_stages_chained_are_the_model(ex, num_stages):
         assert_close(p.grad, want[name].grad, f"the gradient of {name!r} through the stages")
 
 
+def split_gpt_pipeline_run(ctx, m: int, steps: int):
+    """This rank's stage of ``split_gpt``'s cut, trained through torch's 1F1B schedule (the
+    tests' own pipeline, not the learner's runner or task7_4's answer)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    ex = load_exercise(LESSON)
+    model = make_gpt()
+    stage = ex.split_gpt(model, ctx.world_size)[ctx.rank]
+    schedule = Schedule1F1B(PipelineStage(stage, ctx.rank, ctx.world_size, ctx.device),
+                            n_microbatches=m, loss_fn=next_token_loss)
+    first, last = ctx.rank == 0, ctx.rank == ctx.world_size - 1
+
+    def one_step(step: int) -> list[float]:
+        inputs, targets = batch(step)
+        losses: list[torch.Tensor] = []
+        schedule.step(*([inputs] if first else []),
+                      **({"target": targets, "losses": losses} if last else {}))
+        return [loss.item() for loss in losses]
+
+    return train_stage(model, stage, one_step, steps)
+
+
+@pytest.mark.task7_3
+def test_split_gpt_stages_train_like_the_unsplit_model(ex):
+    """The cut's stages, one per process, trained through a pipeline: the unsplit model's steps."""
+    raise_if_untouched(ex.split_gpt)
+    results = run_on_ranks(split_gpt_pipeline_run, 4, STEPS, world_size=2, timeout=60)
+    assert_trains_like_one_process(results, "split_gpt's 2 stages, 1F1B, 4 micro-batches", 4)
+
+
 @pytest.mark.task7_3
 def test_split_gpt_refuses_more_stages_than_blocks(ex):
     try:
