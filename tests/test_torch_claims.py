@@ -665,7 +665,7 @@ def test_an_agent_whose_other_node_never_comes_gives_up_after_its_join_timeout()
 @pytest.mark.timeout(120)
 def test_ctrl_c_to_torchrun_stops_every_worker():
     """09 README, restarts: "Ctrl-C to torchrun stops every process it started"."""
-    from harness.launch import Launch, _descendants
+    from harness.launch import Launch, descendants
     from harness.selfcheck import command_line
 
     launch = Launch(RESILIENT, "--epochs", "50", launcher="torchrun", nproc=2, result=False,
@@ -674,12 +674,67 @@ def test_ctrl_c_to_torchrun_stops_every_worker():
     workers = []
     while time.monotonic() < deadline and len(workers) < 2:
         time.sleep(0.5)
-        workers = [pid for pid in _descendants(launch._proc.pid)
+        workers = [pid for pid in descendants(launch.pid)
                    if "train_resilient.py" in command_line(pid)]
     assert len(workers) == 2, f"the two workers did not start: {workers}"
     time.sleep(2)  # inside training by now
-    os.kill(launch._proc.pid, signal.SIGINT)  # what Ctrl-C sends to the launcher
+    os.kill(launch.pid, signal.SIGINT)  # what Ctrl-C sends to the launcher
     run = launch.result()
     assert run.returncode != 0
     alive = [pid for pid in workers if command_line(pid)]
     assert not alive, f"workers left running after Ctrl-C: {alive}"
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_agent_that_hosted_the_store_ends_every_process_of_the_job(tmp_path):
+    """09 README, several nodes: "torchrun starts each worker in a session of its own, so a
+    SIGKILLed agent's worker runs on; if that agent hosted the rendezvous store, the other
+    agents fail on their next look at it (RendezvousConnectionError) and stop their workers,
+    the orphan's next all-reduce fails, and no process of the job is left"."""
+    from harness.launch import Launch, descendants, free_port
+    from harness.selfcheck import command_line
+
+    port, agents = free_port(), []
+    for node in (0, 1):  # is_host pins which agent hosts the store: on one machine either could
+        agents.append(Launch(
+            RESILIENT, "--epochs", "3", "--batch-size", "4", "--train-windows", "256",
+            "--save-every", "2", "--checkpoint-dir", str(tmp_path), launcher="torchrun-node",
+            nproc=1, check=False, timeout=90, launcher_args=(
+                "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=killed", f"--rdzv-conf=is_host={node == 0}")))
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "step-00000002").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [pid for pid in descendants(agents[0].pid)
+                   if "train_resilient.py" in command_line(pid)]
+        assert workers, "node 0's worker was not found running"
+        assert all(os.getsid(pid) == pid for pid in workers), "each worker leads its own session"
+        os.kill(agents[0].pid, signal.SIGKILL)  # node 0's torchrun, lost; its worker is not
+        killed_at = time.monotonic()
+        other = agents[1].result()
+        while any(command_line(pid) for pid in workers) and time.monotonic() < killed_at + 60:
+            time.sleep(0.1)
+        left = [pid for pid in workers if command_line(pid)]
+        assert not left, f"the lost agent's worker ran on, {time.monotonic() - killed_at:.0f} s"
+        assert other.returncode != 0, other.output[-3000:]
+        assert "RendezvousConnectionError" in other.output, other.output[-3000:]
+        assert "closing signal SIGTERM" in other.output, "the other agent stops its own worker"
+        assert agents[0].result().returncode == -signal.SIGKILL
+        assert (tmp_path / "step-00000002" / "train.pt").is_file(), "the checkpoint to resume from"
+    finally:
+        for agent in agents:
+            agent.stop()
+        for pid in locals().get("workers", []):
+            if command_line(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_agents_exit_barrier_waits_300_seconds_and_torchrun_has_no_flag_for_it():
+    """09 README, several nodes: "an agent whose workers finished waits up to 300 s for the
+    others (its exit barrier); torchrun has no option to shorten it"."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert inspect.signature(LocalElasticAgent).parameters["exit_barrier_timeout"].default == 300
+    options = [action.dest for action in run.get_args_parser()._actions]
+    assert not [name for name in options if "barrier" in name or "exit" in name], options

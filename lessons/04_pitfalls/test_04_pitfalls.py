@@ -224,6 +224,24 @@ def test_global_rank_as_gpu_index_overflows_the_second_machine():
     assert not lab04.summarize([{"emulated": fixed}], True)[0]
 
 
+def test_the_lab_names_the_process_that_asked_for_a_gpu_its_machine_lacks():
+    """What lesson 09's two-node GPU run reports, given as the facts its ranks gather."""
+    lab04 = lab("04_device_from_rank")
+    emulated = [lab04.gpu_index(env, fix=False) for env in lab04.TWO_MACHINES]
+    two_nodes = [{"rank": 0, "local_rank": 0, "emulated": emulated, "bare_cuda_tensor": "cuda:0"},
+                 {"rank": 1, "local_rank": 0, "emulated": emulated, "bare_cuda_tensor": "cuda:0",
+                  "rank_as_gpu_error": "CUDA error: invalid device ordinal"}]
+    symptom, verdict = lab04.summarize(two_nodes, False)
+    assert symptom and "rank 1 (local rank 0) asked for cuda:1: CUDA error" in verdict, verdict
+    emulated = [lab04.gpu_index(env, fix=True) for env in lab04.TWO_MACHINES]
+    fixed = [{"rank": r, "local_rank": 0, "emulated": emulated, "bare_cuda_tensor": "cuda:0"}
+             for r in (0, 1)]
+    assert not lab04.summarize(fixed, True)[0], "one GPU per node: cuda:0 on both is right"
+    one_machine = [{**fixed[0]}, {**fixed[1], "local_rank": 1}]
+    symptom, verdict = lab04.summarize(one_machine, True)
+    assert symptom and "rank 1's tensors landed on cuda:0" in verdict, verdict
+
+
 @pytest.mark.slow
 @needs_gpus(2, "two ranks on two GPUs, to see where a bare 'cuda' lands")
 def test_without_set_device_every_rank_lands_on_gpu_0():

@@ -725,6 +725,37 @@ def test_on_a_gpu_a_killed_rank_is_restarted_and_resumes(tmp_path):
     assert_parameters_close(weights["restarted"], weights["whole"], "killed and resumed on GPU")
 
 
+LAB_04 = "lessons/04_pitfalls/labs/04_device_from_rank.py"
+
+
+@pytest.mark.slow  # four torchrun launches
+@needs_gpus(1, "two nodes of one process per GPU: RANK as the GPU index fails on node 1")
+def test_on_gpus_two_nodes_make_the_global_rank_a_gpu_this_machine_lacks():
+    """Lesson 04's pitfall 4 for real: two agents on this machine are two nodes of one process
+    per GPU, so node 1's ranks are G..2G-1, and cuda:RANK does not exist for any of them."""
+    gpus = torch.cuda.device_count()
+    outcomes = {}
+    for fix in (False, True):
+        port = free_port()
+        agents = [start_script(LAB_04, *(["--fix"] if fix else []), launcher="torchrun-node",
+                               nproc=gpus, result=node == 0, timeout=180, launcher_args=(
+                                   "--nnodes=2", "--rdzv-backend=c10d",
+                                   f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=lab{fix}",
+                                   f"--rdzv-conf=is_host={node == 0}"))
+                  for node in (0, 1)]
+        outcomes[fix] = [agent.result() for agent in agents][0].data
+    ranks = outcomes[False]["ranks"]
+    failed = sorted(r["rank"] for r in ranks if "rank_as_gpu_error" in r)
+    assert failed == list(range(gpus, 2 * gpus)), (
+        f"with {gpus} GPU(s), node 1's ranks {gpus}..{2 * gpus - 1} should fail to use cuda:RANK; "
+        f"failed: {failed}; {ranks}")
+    assert outcomes[False]["symptom"] and "asked for cuda:" in outcomes[False]["verdict"]
+    fixed = outcomes[True]
+    assert not fixed["symptom"], fixed["verdict"]
+    assert [r["bare_cuda_tensor"] for r in fixed["ranks"]] == [
+        f"cuda:{r['local_rank']}" for r in fixed["ranks"]], fixed["ranks"]
+
+
 def test_zip_archives_cut_short_do_not_open(tmp_path):
     # What resume_point relies on (asked of torch and zipfile, not assumed): torch.save writes
     # a zip archive whose index is at the end, so a file cut short is not one, and torch.load

@@ -176,6 +176,11 @@ class Launch:
                                       start_new_session=True)
         self._outcome: LaunchResult | BaseException | None = None
 
+    @property
+    def pid(self) -> int:
+        """The launcher's process id: torchrun's agent, for a torchrun launch."""
+        return self._proc.pid
+
     def result(self) -> LaunchResult:
         """Wait for the script; raise LaunchError if it failed or ran past its timeout."""
         if self._outcome is None:
@@ -237,7 +242,7 @@ class Launch:
             os.kill(self._proc.pid, signal.SIGSTOP)
         except ProcessLookupError:
             return
-        for pid in [*_descendants(self._proc.pid), self._proc.pid]:
+        for pid in [*descendants(self._proc.pid), self._proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -245,7 +250,7 @@ class Launch:
         self._proc.wait()
 
 
-def _descendants(root: int) -> list[int]:
+def descendants(root: int) -> list[int]:
     """Every live process below ``root`` (Linux /proc), deepest first."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():

@@ -12,7 +12,8 @@ without ``torch.cuda.set_device(local_rank)``, every bare ``"cuda"`` (``.cuda()`
 ``.to("cuda")``, a tensor a dataset creates in ``__init__``) means cuda:0 in every process.
 
 Without GPUs the lab shows the index each rule picks on an emulated job of 2 machines x 2
-GPUs; with GPUs it also shows where each rank's tensors really land.
+GPUs; with GPUs it also shows where each rank's tensors really land and, in a job of several
+nodes (lesson 09 starts two on one machine), the error of a process that asks for cuda:RANK.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def demo(fix: bool) -> dict:
     if torch.cuda.is_available():
         if fix:
             torch.cuda.set_device(facts["local_rank"])  # before anything touches CUDA
+        else:  # the mistake, for real: the global rank as the GPU index
+            try:
+                torch.zeros(1, device=torch.device("cuda", facts["rank"]))
+            except RuntimeError as error:  # on a machine with fewer GPUs than that rank
+                facts["rank_as_gpu_error"] = str(error).strip().splitlines()[0]
         # What the blog-style code does: a bare "cuda" (here, a dataset built in __init__).
         facts["bare_cuda_tensor"] = str(torch.zeros(1).to("cuda").device)
     return facts
@@ -54,12 +60,20 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
     emulated = facts[0]["emulated"]
     bad = any(index >= 2 for index in emulated)  # each machine has cuda:0 and cuda:1 only
     landed = sorted({f["bare_cuda_tensor"] for f in facts if "bare_cuda_tensor" in f})
+    failed = [f for f in facts if "rank_as_gpu_error" in f]
+    if failed:  # this job spans machines: a process asked for a GPU its machine lacks
+        f = failed[0]
+        return True, (f"SYMPTOM: rank {f['rank']} (local rank {f['local_rank']}) asked for "
+                      f"cuda:{f['rank']}: {f['rank_as_gpu_error']} (rerun with --fix)")
     if bad:
         where = f"; this machine's ranks put their tensors on {landed}" if landed else ""
         return True, (f"SYMPTOM: on machine 1 the processes ask for cuda:{emulated[2]} and "
                       f"cuda:{emulated[3]}, but it has cuda:0 and cuda:1{where} (rerun with --fix)")
-    if len(facts) > 1 and len(landed) == 1:
-        return True, f"SYMPTOM: every rank's tensors landed on {landed[0]}"
+    astray = [f for f in facts if f.get("bare_cuda_tensor", f"cuda:{f.get('local_rank')}")
+              != f"cuda:{f.get('local_rank')}"]
+    if astray:
+        return True, (f"SYMPTOM: rank {astray[0]['rank']}'s tensors landed on "
+                      f"{astray[0]['bare_cuda_tensor']}, not its cuda:LOCAL_RANK")
     where = f"; this machine's ranks use {landed}" if landed else ""
     return False, f"FIXED: every process picks cuda:LOCAL_RANK {emulated}{where}"
 
@@ -102,7 +116,9 @@ def main(argv=None) -> None:
             print(f"  RANK {env['RANK']}  LOCAL_RANK {env['LOCAL_RANK']}  ->  cuda:{index}")
         for f in facts:
             print(f"this job: rank {f['rank']} (local rank {f['local_rank']}): "
-                  f"bare 'cuda' tensor on {f.get('bare_cuda_tensor', 'n/a (no GPU)')}")
+                  f"bare 'cuda' tensor on {f.get('bare_cuda_tensor', 'n/a (no GPU)')}"
+                  + (f"; cuda:{f['rank']} failed: {f['rank_as_gpu_error']}"
+                     if "rank_as_gpu_error" in f else ""))
         print(f"verdict: {verdict}")
         if args.result:
             args.result.write_text(json.dumps({"symptom": symptom, "verdict": verdict,
