@@ -19,7 +19,13 @@ import torch.distributed as dist
 from harness import forkserver, ranks
 from harness.exercises import REPO_ROOT, solutions_mode
 from harness.launch import LaunchError, run_script, start_script
-from harness.pipeline import Deadlock, ScheduleError, reference_schedule, simulate
+from harness.pipeline import (
+    Deadlock,
+    OrderMismatch,
+    ScheduleError,
+    reference_schedule,
+    simulate,
+)
 from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
 
 PROBE = Path(__file__).with_name("probes") / "launch_probe.py"
@@ -551,6 +557,16 @@ def test_pipeline_simulator_names_what_each_stuck_stage_waits_for():
     with pytest.raises(Deadlock, match=r"stage 0 waits to run B0 for B0 from stage 1; "
                                        r"stage 1 waits to run F1 for F1 from stage 0"):
         simulate(stuck, 2)
+
+
+def test_pipeline_simulator_refuses_neighbours_that_pass_micro_batches_in_other_orders():
+    # No deadlock (the simulator matches by micro-batch), but stage 1 sends gradients 0, 1
+    # while stage 0 posts its receives for 1, 0: on real ranks, B1 would get B0's gradient.
+    crossed = [[("F", 0), ("F", 1), ("B", 1), ("B", 0)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]]
+    with pytest.raises(OrderMismatch, match=r"stage 1 sends its gradients in the order \[0, 1\] "
+                                            r"but stage 0 receives them in the order \[1, 0\]"):
+        simulate(crossed, 2)
+    simulate([crossed[0], crossed[0]], 2)  # the same order on both: fine
 
 
 @pytest.mark.parametrize("schedule,match", [

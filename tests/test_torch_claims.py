@@ -458,6 +458,27 @@ def test_torch_pipelining_averages_micro_batches_as_if_they_were_equal():
     assert not torch.allclose(got["grad"], got["whole"], atol=1e-4), got
 
 
+def sends_then_receives_crossed(ctx):
+    """Rank 1 sends micro-batch 0's tensor, then 1's; rank 0 posts its receive for 1 first."""
+    if ctx.rank == 1:
+        works = [dist.isend(torch.full((2,), float(m)), dst=0) for m in (0, 1)]
+        for work in works:
+            work.wait()
+        return None
+    for_1, for_0 = torch.empty(2), torch.empty(2)
+    works = [dist.irecv(for_1, src=1), dist.irecv(for_0, src=1)]
+    for work in works:
+        work.wait()
+    return {"for_1": for_1.tolist(), "for_0": for_0.tolist()}
+
+
+def test_sends_and_receives_of_one_tag_pair_up_in_the_order_they_are_posted():
+    """07 README: "between two ranks, sends and receives of one tag pair up in the order they
+    are posted, whatever micro-batch they carry" (so crossed orders swap the data silently)."""
+    got = run_on_ranks(sends_then_receives_crossed, world_size=2)[0]
+    assert got == {"for_1": [0.0, 0.0], "for_0": [1.0, 1.0]}, got
+
+
 def test_ddp_refuses_a_hook_named_like_torchs_bf16_hook_without_cuda_and_nccl():
     """08 README, hint for task 8_3: "a hook named `bf16_compress_hook`, the name of torch's own,
     is refused on torch builds without CUDA and NCCL" (and ddp_costs.py renames it for that)."""

@@ -31,7 +31,13 @@ from harness.compare import assert_close
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
 from harness.launch import one_process_fit, run_script, start_script
-from harness.pipeline import Deadlock, ScheduleError, reference_schedule, simulate
+from harness.pipeline import (
+    Deadlock,
+    OrderMismatch,
+    ScheduleError,
+    reference_schedule,
+    simulate,
+)
 from harness.ranks import RankError, get_pool, group_params, run_on_ranks
 
 LESSON = "07_pipeline_parallel"
@@ -170,6 +176,8 @@ def test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text(
         timeline = simulate([list(map(tuple, actions)) for actions in plan], micro_batches)
     except Deadlock as error:
         raise AssertionError(f"{call} deadlocks: {error}") from None
+    except OrderMismatch as error:
+        raise AssertionError(f"{call} would hand stages the wrong micro-batches: {error}") from None
     except ScheduleError as error:
         raise AssertionError(f"{call} is not a schedule: {error}") from None
     bubble = (stages - 1) / (micro_batches + stages - 1)

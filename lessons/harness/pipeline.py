@@ -18,9 +18,11 @@ action as soon as it is free and the action's input has arrived:
 
 This is how real stages behave when each blocks on a receive: a stage whose next action waits
 for something that can never come is a deadlock, and ``simulate`` raises :class:`Deadlock`
-naming what every stuck stage waits for. Communication is taken as free; a forward takes
-``forward_time`` and a backward ``backward_time`` on every stage (even stages: the bubble
-formula's assumption).
+naming what every stuck stage waits for; a schedule whose neighbouring stages run their forwards
+(or backwards) in different orders raises :class:`OrderMismatch` (sends and receives of one tag
+pair up in the order they are posted, whatever micro-batch they carry). Communication is taken
+as free; a forward takes ``forward_time`` and a backward ``backward_time`` on every stage (even
+stages: the bubble formula's assumption).
 
 The lesson's graded ``schedule()`` is checked with this module, which the tests own. It also
 draws the lesson's pictures of the two schedules:
@@ -49,6 +51,11 @@ class ScheduleError(ValueError):
 
 class Deadlock(ScheduleError):
     """No stage can start its next action: each waits for another that never comes."""
+
+
+class OrderMismatch(ScheduleError):
+    """Two neighbouring stages pass micro-batches in different orders: a send and a receive
+    pair up in the order they are posted, so a receive would get another micro-batch's data."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +223,26 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
                     waits.append(f"stage {stage} waits to run {action[0]}{action[1]} for "
                                  f"{kind}{m} from stage {source}")
             raise Deadlock("deadlock: " + "; ".join(waits))
+    check_order(schedule)
     return Timeline(tuple(slots), stages, num_micro_batches)
+
+
+def check_order(schedule: Sequence[Sequence[Action]]) -> None:
+    """Raise :class:`OrderMismatch` unless each stage receives in the order its neighbour
+    sends: forwards' activations from the stage before, backwards' gradients from the one
+    after (a schedule can avoid deadlock and still fail this: the simulator matches by
+    micro-batch, a send and a receive by the order they are posted)."""
+    for stage in range(len(schedule) - 1):
+        for kind, sender, receiver, what in (("F", stage, stage + 1, "activations"),
+                                             ("B", stage + 1, stage, "gradients")):
+            sent = [m for k, m in schedule[sender] if k == kind]
+            received = [m for k, m in schedule[receiver] if k == kind]
+            if sent != received:
+                raise OrderMismatch(
+                    f"stage {sender} sends its {what} in the order {sent} but stage {receiver} "
+                    f"receives them in the order {received}: a send and a receive pair up in "
+                    f"the order they are posted, so both stages must run their {kind}s in the "
+                    f"same order")
 
 
 PICTURES_DIR = Path(__file__).resolve().parents[2] / "docs" / "assets" / "pipeline"
