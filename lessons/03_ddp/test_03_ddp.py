@@ -196,63 +196,11 @@ def test_distributed_sampler_order_changes_with_epoch_and_agrees_across_ranks():
 # ----------------------------------------------------------------------------- task3_2 init
 
 
-CHECK_INIT = "lessons/harness/check_init_from_env.py"  # runs init_from_env under torchrun
-
-
-@pytest.fixture(scope="module")
-def init_checks():
-    """Both launches of the init check, started together (not at all for the untouched stub)."""
-    raise_if_untouched(load_exercise(LESSON).init_from_env)
-    return {"torchrun": start_script(CHECK_INIT, launcher="torchrun", nproc=2),
-            "bad environments": start_script(CHECK_INIT, "--bad-environments", timeout=60)}
-
-
-@pytest.mark.slow
-@pytest.mark.task3_2
-def test_init_from_env_under_torchrun(init_checks):
-    run = init_checks["torchrun"].result()
-    gpus = torch.cuda.device_count()
-    backend = "nccl" if gpus >= 2 else "gloo"
-    for rank, info in enumerate(run.data["ranks"]):
-        expected = {"rank": rank, "local_rank": rank, "world_size": 2, "local_world_size": 2,
-                    "backend": backend,
-                    "device": f"cuda:{rank}" if backend == "nccl" else "cpu"}
-        for field, value in expected.items():
-            assert info[field] == value, f"rank {rank}: {field} is {info[field]!r}, not {value!r}"
-        assert info["backend_in_use"] == backend, f"rank {rank}: the group uses the wrong backend"
-        assert info["all_reduce"] == 3.0, f"rank {rank}: the group does not work"
-        if backend == "nccl":
-            assert info["current_cuda_device"] == rank, f"rank {rank}: set_device was not called"
-
-
-@pytest.mark.slow
-@pytest.mark.task3_2
-def test_init_from_env_rejects_bad_environments(init_checks):
-    run = init_checks["bad environments"].result()
-    expectations = {
-        "no launcher": ["torchrun"],
-        "only RANK and WORLD_SIZE": ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"],
-        "nccl without a GPU": ["GPU"],
-        "nccl with 2 local ranks and 1 GPU": ["GPU"],
-    }
-    for case, words in expectations.items():
-        outcome = run.data[case]
-        assert outcome.get("error") == "RuntimeError", (
-            f"{case}: expected a RuntimeError naming {words}, got {outcome}"
-        )
-        missing = [w for w in words if w not in outcome["message"]]
-        assert not missing, f"{case}: the error should mention {missing}: {outcome['message']!r}"
-    ok = run.data["auto on this machine, world of one"]
-    assert "returned" in ok, f"a complete environment must work, got {ok}"
-    assert ok["returned"]["world_size"] == "1" and ok["group"], ok
-    if not torch.cuda.is_available():
-        assert ok["returned"]["backend"] == "gloo" and ok["returned"]["device"] == "cpu", ok
-
-
 # On a CPU-only machine torchrun never exercises the NCCL path, and on one machine RANK equals
 # LOCAL_RANK. So the test below also runs init_from_env in this process with CUDA and the
 # process group faked: process 3 of a job of 2 machines x 2 GPUs (its LOCAL_RANK is 1), and
-# records what it asks for and in which order. Nothing real is initialised.
+# records what it asks for and in which order. Nothing real is initialised. These checks
+# come before the torchrun ones: a mistake they catch is reported in a second, not after a launch.
 SECOND_MACHINE = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # never contacted
 MAX_INIT_TIMEOUT = 60.0  # seconds: "a timeout under a minute"
@@ -375,6 +323,59 @@ def test_init_from_env_auto_uses_gloo_with_fewer_gpus_than_local_ranks(ex, monke
         f"{where}: gloo on the CPU should not call torch.cuda.set_device")
     inits = [call for call in calls if call[0] == "init_process_group"]
     assert inits and inits[0][1] == "gloo", f"{where}: init_process_group calls: {inits}"
+
+
+CHECK_INIT = "lessons/harness/check_init_from_env.py"  # runs init_from_env under torchrun
+
+
+@pytest.fixture(scope="module")
+def init_checks():
+    """Both launches of the init check, started together (not at all for the untouched stub)."""
+    raise_if_untouched(load_exercise(LESSON).init_from_env)
+    return {"torchrun": start_script(CHECK_INIT, launcher="torchrun", nproc=2),
+            "bad environments": start_script(CHECK_INIT, "--bad-environments", timeout=60)}
+
+
+@pytest.mark.slow
+@pytest.mark.task3_2
+def test_init_from_env_under_torchrun(init_checks):
+    run = init_checks["torchrun"].result()
+    gpus = torch.cuda.device_count()
+    backend = "nccl" if gpus >= 2 else "gloo"
+    for rank, info in enumerate(run.data["ranks"]):
+        expected = {"rank": rank, "local_rank": rank, "world_size": 2, "local_world_size": 2,
+                    "backend": backend,
+                    "device": f"cuda:{rank}" if backend == "nccl" else "cpu"}
+        for field, value in expected.items():
+            assert info[field] == value, f"rank {rank}: {field} is {info[field]!r}, not {value!r}"
+        assert info["backend_in_use"] == backend, f"rank {rank}: the group uses the wrong backend"
+        assert info["all_reduce"] == 3.0, f"rank {rank}: the group does not work"
+        if backend == "nccl":
+            assert info["current_cuda_device"] == rank, f"rank {rank}: set_device was not called"
+
+
+@pytest.mark.slow
+@pytest.mark.task3_2
+def test_init_from_env_rejects_bad_environments(init_checks):
+    run = init_checks["bad environments"].result()
+    expectations = {
+        "no launcher": ["torchrun"],
+        "only RANK and WORLD_SIZE": ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"],
+        "nccl without a GPU": ["GPU"],
+        "nccl with 2 local ranks and 1 GPU": ["GPU"],
+    }
+    for case, words in expectations.items():
+        outcome = run.data[case]
+        assert outcome.get("error") == "RuntimeError", (
+            f"{case}: expected a RuntimeError naming {words}, got {outcome}"
+        )
+        missing = [w for w in words if w not in outcome["message"]]
+        assert not missing, f"{case}: the error should mention {missing}: {outcome['message']!r}"
+    ok = run.data["auto on this machine, world of one"]
+    assert "returned" in ok, f"a complete environment must work, got {ok}"
+    assert ok["returned"]["world_size"] == "1" and ok["group"], ok
+    if not torch.cuda.is_available():
+        assert ok["returned"]["backend"] == "gloo" and ok["returned"]["device"] == "cpu", ok
 
 
 # ----------------------------------------------------------------------------- task3_3 gradients
