@@ -112,3 +112,21 @@ def test_solutions_flag_reaches_the_environment(demo):
     assert "grading solutions/ (reference answers)" in run.stdout
     # In solutions mode an unfinished stub is a failure, never a skip.
     assert "1 failed" in run.stdout and "the reference solution is unfinished" in run.stdout
+
+
+def test_in_ci_solutions_leave_out_the_lesson_checks_the_learner_run_passed(demo, tmp_path):
+    """.ci/run: `pytest --solutions` runs after the learner run; a test of no task that passed
+    there is not run again. Tests of a task always run, and nothing happens outside CI."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    learner = run_pytest(demo, f"--junitxml={reports / 'learner.xml'}")
+    assert "1 failed" in learner.stdout, learner.stdout
+    run = run_pytest(demo, "--solutions", "-m", "not task9_1 and not task9_4",
+                     COURSE_CI_REPORTS=str(reports))
+    assert "course: 1 lesson checks (tests of no task) passed in this CI run's learner run" in (
+        run.stdout), run.stdout
+    assert "1 failed, 1 passed, 3 deselected" in run.stdout, run.stdout  # task9_3, task9_2
+    (reports / "learner.xml").unlink()
+    run = run_pytest(demo, "--solutions", "-m", "not task9_1 and not task9_4",
+                     COURSE_CI_REPORTS=str(reports))
+    assert "1 failed, 2 passed, 2 deselected" in run.stdout, run.stdout

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,41 @@ def pytest_configure(config):
         for task, graded in lesson.tasks.items():
             config.addinivalue_line("markers", f"{task}: {lesson.folder}, grades {graded}")
     config.pluginmanager.register(ProgressReport(), "course-progress")
+
+
+ALREADY_PASSED = pytest.StashKey[int]()  # lesson checks --solutions left out in CI
+
+
+def pytest_collection_modifyitems(config, items):
+    """In CI only, with --solutions: a lesson check (a test of no task) that passed in this CI
+    run's learner run ($COURSE_CI_REPORTS/learner.xml) is not run again. It grades no task, and
+    the code outside the tasks is the same in stubs and solutions (tests/test_course.py checks
+    that), so it would run the same code a second time: mostly torchrun launches."""
+    from harness.selfcheck import CI_REPORTS_ENV, read_report
+
+    learner = Path(os.environ.get(CI_REPORTS_ENV, "")) / "learner.xml"
+    if not (solutions_mode() and os.environ.get(CI_REPORTS_ENV) and learner.is_file()):
+        return
+    passed = {node for node, (outcome, _) in read_report(learner).items() if outcome == "passed"}
+    again, done = [], []
+    for item in items:
+        path, _, name = item.nodeid.partition("::")
+        report_id = f"{path.removesuffix('.py').replace('/', '.')}::{name}"
+        untasked = not any(TASK_MARK.match(mark.name) for mark in item.iter_markers())
+        (done if untasked and report_id in passed else again).append(item)
+    if done:
+        config.hook.pytest_deselected(items=done)
+        items[:] = again
+        config.stash[ALREADY_PASSED] = len(done)
+
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    count = config.stash.get(ALREADY_PASSED, 0)
+    if count:
+        return (f"course: {count} lesson checks (tests of no task) passed in this CI run's "
+                f"learner run; not run again")
+    return None
 
 
 def pytest_report_header(config):
