@@ -7,6 +7,8 @@
 - Tests carry a task marker (``@pytest.mark.task3_2``) so one task can be run with ``-m task3_2``;
   the markers are the tasks of the course manifest, ``harness/course.py``.
 - The run ends with a per-lesson progress table.
+- In CI only (``$COURSE_CI_REPORTS/learner.xml`` present), ``--solutions`` leaves out the
+  lesson checks that the same CI run's learner run passed.
 """
 
 from __future__ import annotations
