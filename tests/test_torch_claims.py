@@ -712,17 +712,12 @@ def test_a_killed_agent_that_hosted_the_store_ends_every_process_of_the_job(tmp_
     SIGKILLed agent's worker runs on; if that agent hosted the rendezvous store, the other
     agents fail on their next look at it (RendezvousConnectionError) and stop their workers,
     the orphan's next all-reduce fails, and no process of the job is left"."""
-    from harness.launch import Launch, descendants, free_port
+    from harness.launch import descendants, start_nodes
     from harness.selfcheck import command_line
 
-    port, agents = free_port(), []
-    for node in (0, 1):  # is_host pins which agent hosts the store: on one machine either could
-        agents.append(Launch(
-            RESILIENT, "--epochs", "3", "--batch-size", "4", "--train-windows", "256",
-            "--save-every", "2", "--checkpoint-dir", str(tmp_path), launcher="torchrun-node",
-            nproc=1, check=False, timeout=90, launcher_args=(
-                "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=killed", f"--rdzv-conf=is_host={node == 0}")))
+    agents = start_nodes(RESILIENT, "--epochs", "3", "--batch-size", "4", "--train-windows",
+                         "256", "--save-every", "2", "--checkpoint-dir", str(tmp_path),
+                         job="killed", check=False, timeout=90)  # node 0 hosts the store
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "step-00000002").exists() and time.monotonic() < deadline:

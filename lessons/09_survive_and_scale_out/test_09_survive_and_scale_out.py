@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from harness.compare import assert_parameters_close
 from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import free_port, start_script
+from harness.launch import free_port, start_nodes, start_script
 from harness.ranks import run_on_ranks
 
 LESSON = "09_survive_and_scale_out"
@@ -736,13 +736,8 @@ def test_on_gpus_two_nodes_make_the_global_rank_a_gpu_this_machine_lacks():
     gpus = torch.cuda.device_count()
     outcomes = {}
     for fix in (False, True):
-        port = free_port()
-        agents = [start_script(LAB_04, *(["--fix"] if fix else []), launcher="torchrun-node",
-                               nproc=gpus, result=node == 0, timeout=180, launcher_args=(
-                                   "--nnodes=2", "--rdzv-backend=c10d",
-                                   f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=lab{fix}",
-                                   f"--rdzv-conf=is_host={node == 0}"))
-                  for node in (0, 1)]
+        agents = start_nodes(LAB_04, *(["--fix"] if fix else []), nproc=gpus, job=f"lab{fix}",
+                             timeout=180)
         outcomes[fix] = [agent.result() for agent in agents][0].data
     ranks = outcomes[False]["ranks"]
     failed = sorted(r["rank"] for r in ranks if "rank_as_gpu_error" in r)

@@ -274,6 +274,22 @@ def start_script(script: str | os.PathLike, *args: str, **options) -> Launch:
     return Launch(script, *args, **options)
 
 
+def start_nodes(script: str | os.PathLike, *args: str, nodes: int = 2, nproc: int = 1,
+                job: str = "nodes", timeout: float = LAUNCH_TIMEOUT, check: bool = True,
+                env: dict | None = None) -> list[Launch]:
+    """``nodes`` torchrun agents on this machine, started as the nodes of one job of ``nproc``
+    processes each: a c10d rendezvous on a free port of 127.0.0.1 whose store node 0's agent
+    hosts (``is_host`` pins it: on one machine any agent could). Only node 0's launch asks for
+    ``--result``: the job's rank 0 is there."""
+    port = free_port()
+    return [Launch(script, *args, launcher="torchrun-node", nproc=nproc, result=node == 0,
+                   timeout=timeout, check=check, env=env, launcher_args=(
+                       f"--nnodes={nodes}", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
+                       f"--rdzv-conf=is_host={node == 0}"))
+            for node in range(nodes)]
+
+
 def run_script(script: str | os.PathLike, *args: str, launcher: str = "python", nproc: int = 1,
                result: bool = True, timeout: float = LAUNCH_TIMEOUT, env: dict | None = None,
                check: bool = True, launcher_args: tuple = ()) -> LaunchResult:
