@@ -491,6 +491,25 @@ def collectives_counted(ctx):
             "gathered_freed": not log.of("all_gather")[0].alive()}
 
 
+def all_reduces_dispatched(ctx):
+    from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+
+    from harness.collectives import DispatchedAllReduces
+
+    with DispatchedAllReduces() as sent:
+        dist.all_reduce(torch.ones(8))  # c10d: 32 bytes
+        dist.all_reduce(torch.ones(5, dtype=torch.float16))  # 10 bytes
+        float(functional_all_reduce(torch.ones(3), "sum", dist.group.WORLD).sum())  # DTensor's kind
+        dist.broadcast(torch.ones(7), src=0)  # not an all-reduce
+    return sent.calls
+
+
+def test_dispatched_all_reduces_sees_c10d_and_functional_ones_with_dtype_and_bytes():
+    for calls in run_on_ranks(all_reduces_dispatched, world_size=2):
+        assert calls == [("torch.float32", 32), ("torch.float16", 10), ("torch.float32", 12)], (
+            calls)
+
+
 def log_real_all_reduce():
     import torch.distributed.distributed_c10d as c10d
 

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from harness.collectives import CollectiveLog
+from harness.collectives import CollectiveLog, DispatchedAllReduces
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import gpu_marks
@@ -146,22 +146,6 @@ def short_op(op) -> str:
     return {"allgather_base": "all_gather", "reduce_scatter_base": "reduce_scatter",
             "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"
             }.get(name, name)
-
-
-class CommBytes(CommDebugMode):
-    """torch's CommDebugMode, which counts DTensor's collectives, also recording the bytes of
-    each all-reduce's tensor (a rank's local one): the payload ``harness.collectives`` counts
-    for the hand-written version."""
-
-    def __init__(self):
-        super().__init__()
-        self.all_reduce_bytes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(getattr(func, "_overloadpacket", func))
-        if name.endswith("all_reduce") and args and isinstance(args[0], torch.Tensor):
-            self.all_reduce_bytes.append(args[0].numel() * args[0].element_size())
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def comm_counts(mode: CommDebugMode) -> dict[str, int]:
@@ -753,14 +737,15 @@ def native_tp_run(ctx, steps: int):
     for step in range(steps):
         inputs, targets = (t.to(ctx.device) for t in batch(step))
         optimizer.zero_grad(set_to_none=True)
-        with CommBytes() as forward:
+        # CommDebugMode counts DTensor's collectives; DispatchedAllReduces their bytes.
+        with CommDebugMode() as forward, DispatchedAllReduces() as forward_bytes:
             loss = forward_or_explain(model, inputs, targets, "parallelize_gpt")
-        with CommBytes() as backward:
+        with CommDebugMode() as backward, DispatchedAllReduces() as backward_bytes:
             loss.backward()
         optimizer.step()
         if step == 0:
             out["forward"], out["backward"] = comm_counts(forward), comm_counts(backward)
-            out["bytes"] = forward.all_reduce_bytes + backward.all_reduce_bytes
+            out["bytes"] = [n for _, n in forward_bytes.calls + backward_bytes.calls]
         out["states"].append({name: local(p) for name, p in model.named_parameters()})
     return out
 

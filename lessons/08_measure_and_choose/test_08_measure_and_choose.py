@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.collectives import DispatchedAllReduces
 from harness.compare import assert_close
 from harness.exercises import LESSONS_DIR, load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
@@ -212,25 +212,6 @@ HOOK_CONFIG = dict(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=32)
 BF16_STEPS = {"rtol": 1e-2, "atol": 5e-4}
 
 
-class AllReduceBytes(TorchDispatchMode):
-    """Records the dtype and bytes of every all-reduce's tensors, as torch dispatches the
-    collective (``c10d.allreduce_``): it sees what DDP's reducer, and a hook, send. torch's own
-    CommDebugMode works the same way, but its module tracking fails around DDP in torch 2.13."""
-
-    def __init__(self):
-        super().__init__()
-        self.sent: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(getattr(func, "_overloadpacket", func))
-        if "allreduce" in name.replace("_", "") and args:
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            for t in tensors:
-                if isinstance(t, torch.Tensor):
-                    self.sent.append((str(t.dtype), t.numel() * t.element_size()))
-        return func(*args, **(kwargs or {}))
-
-
 def ddp_run(ctx, with_hook: bool) -> dict:
     """DDP on the running example, SGD, each rank its own batches; the bytes all-reduced."""
     model = DDP(GPT(GPTConfig(**HOOK_CONFIG), seed=0))
@@ -238,14 +219,14 @@ def ddp_run(ctx, with_hook: bool) -> dict:
         model.register_comm_hook(None, load_exercise(LESSON).bf16_compress)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(100 + ctx.rank)
-    with AllReduceBytes() as counter:
+    with DispatchedAllReduces() as counter:
         for _ in range(HOOK_STEPS):
             tokens = torch.randint(0, HOOK_CONFIG["vocab_size"], (4, HOOK_CONFIG["block_size"] + 1),
                                    generator=generator)
             model(tokens[:, :-1], tokens[:, 1:])[1].backward()
             optimizer.step()
             optimizer.zero_grad()
-    return {"state": model.module.state_dict(), "sent": counter.sent,
+    return {"state": model.module.state_dict(), "sent": counter.calls,
             "grad_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 

@@ -26,6 +26,14 @@ as the outer one. Not seen: collectives started from C++ (DDP's gradient buckets
 with a DDP communication hook), the functional collectives of
 ``torch.distributed._functional_collectives``, point-to-point and coalesced calls, and
 ``async_op`` passed by position rather than by name.
+
+What those miss, :class:`DispatchedAllReduces` sees: every all-reduce as torch dispatches it,
+from C++ (DDP's reducer and its communication hooks) or from DTensor (functional collectives),
+with the dtype and bytes of each tensor it is given::
+
+    with DispatchedAllReduces() as sent:
+        loss.backward()
+    sent.calls                        # [("torch.float32", 4096), ...], one per tensor
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # function name -> (the collective it is, how to read its payload from the arguments)
 _OUTPUT, _INPUT, _TENSOR, _LIST_OUT, _LIST_IN, _NONE = range(6)
@@ -182,3 +191,22 @@ class CollectiveLog:
 
 def _kb(nbytes: float) -> str:
     return f"{nbytes / 1000:,.1f} kB"
+
+
+class DispatchedAllReduces(TorchDispatchMode):
+    """Records the dtype and bytes of every tensor an all-reduce is dispatched with: c10d's
+    ``allreduce_`` (DDP's buckets, a hook's tensor) and the functional ``all_reduce`` (DTensor's
+    partial sums). It nests with torch's ``CommDebugMode``, which counts DTensor's collectives
+    but not their bytes (and whose module tracking fails around DDP in torch 2.13)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(getattr(func, "_overloadpacket", func))
+        if "allreduce" in name.rsplit(".", 1)[-1].replace("_", "") and args:
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.calls += [(str(t.dtype), t.numel() * t.element_size()) for t in tensors
+                           if isinstance(t, torch.Tensor)]
+        return func(*args, **(kwargs or {}))
