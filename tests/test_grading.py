@@ -42,12 +42,10 @@ def test_a_lesson_claim():
 '''
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("course")
+def make_demo(root, test_source: str = DEMO_TEST):
     lesson = root / "lessons" / "99_demo"
     lesson.mkdir(parents=True)
-    (lesson / "test_99_demo.py").write_text(DEMO_TEST)
+    (lesson / "test_99_demo.py").write_text(test_source)
     (root / "pytest.ini").write_text(textwrap.dedent("""
         [pytest]
         addopts = --import-mode=importlib --strict-markers -p harness.grading -p no:cacheprovider
@@ -58,6 +56,11 @@ def demo(tmp_path_factory):
             task9_4: demo
     """))
     return root
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return make_demo(tmp_path_factory.mktemp("course"))
 
 
 def run_pytest(root, *args, **env):
@@ -114,9 +117,22 @@ def test_solutions_flag_reaches_the_environment(demo):
     assert "1 failed" in run.stdout and "the reference solution is unfinished" in run.stdout
 
 
-def test_in_ci_solutions_leave_out_the_lesson_checks_the_learner_run_passed(demo, tmp_path):
+READS_THE_EXERCISES = '''
+from harness.exercises import load_exercise
+
+def the_exercises():
+    return load_exercise  # a test that can reach it may grade other code in each mode
+
+def test_a_claim_through_the_exercises():
+    assert the_exercises() is not None
+'''
+
+
+def test_in_ci_solutions_leave_out_the_lesson_checks_the_learner_run_passed(tmp_path):
     """.ci/run: `pytest --solutions` runs after the learner run; a test of no task that passed
-    there is not run again. Tests of a task always run, and nothing happens outside CI."""
+    there is not run again, unless it can reach the exercises. Tests of a task always run, and
+    nothing happens outside CI."""
+    demo = make_demo(tmp_path / "course", DEMO_TEST + READS_THE_EXERCISES)
     reports = tmp_path / "reports"
     reports.mkdir()
     learner = run_pytest(demo, f"--junitxml={reports / 'learner.xml'}")
@@ -125,8 +141,8 @@ def test_in_ci_solutions_leave_out_the_lesson_checks_the_learner_run_passed(demo
                      COURSE_CI_REPORTS=str(reports))
     assert "course: 1 lesson checks (tests of no task) passed in this CI run's learner run" in (
         run.stdout), run.stdout
-    assert "1 failed, 1 passed, 3 deselected" in run.stdout, run.stdout  # task9_3, task9_2
+    assert "1 failed, 2 passed, 3 deselected" in run.stdout, run.stdout  # 9_3; 9_2, exercises
     (reports / "learner.xml").unlink()
     run = run_pytest(demo, "--solutions", "-m", "not task9_1 and not task9_4",
                      COURSE_CI_REPORTS=str(reports))
-    assert "1 failed, 2 passed, 2 deselected" in run.stdout, run.stdout
+    assert "1 failed, 3 passed, 2 deselected" in run.stdout, run.stdout

@@ -706,51 +706,108 @@ def test_ctrl_c_to_torchrun_stops_every_worker():
     assert not alive, f"workers left running after Ctrl-C: {alive}"
 
 
+def two_nodes_training(tmp_path, job: str, epochs: int, env: dict | None = None) -> list:
+    """Two torchrun agents as two nodes of one process each, 32 steps an epoch, a checkpoint
+    every 2 steps (node 0's agent hosts the rendezvous's store)."""
+    from harness.launch import start_nodes
+
+    return start_nodes(RESILIENT, "--backend", "gloo", "--epochs", str(epochs), "--batch-size", "4",
+                       "--train-windows", "256", "--save-every", "2", "--checkpoint-dir",
+                       str(tmp_path), job=job, check=False, timeout=90, env=env)
+
+
+def workers_of(agent) -> list[int]:
+    """The training processes ``agent`` started, each the leader of a session of its own."""
+    from harness.launch import descendants
+    from harness.selfcheck import command_line
+
+    workers = [pid for pid in descendants(agent.pid) if "train_resilient.py" in command_line(pid)]
+    for pid in workers:
+        try:
+            assert os.getsid(pid) == pid, "torchrun starts each worker in a session of its own"
+        except ProcessLookupError:
+            pass  # already gone
+    return workers
+
+
+def wait_until_saved(folder, step: int) -> None:
+    deadline = time.monotonic() + 60
+    while not (folder / f"step-{step:08d}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (folder / f"step-{step:08d}").exists(), f"no checkpoint of step {step} after 60 s"
+
+
+def alive(pids) -> list[int]:
+    from harness.selfcheck import command_line
+
+    return [pid for pid in pids if command_line(pid)]
+
+
+def kill_all(agents, pids) -> None:
+    for agent in agents:
+        agent.stop()
+    for pid in alive(pids):
+        os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.timeout(150)
 def test_a_killed_agent_that_hosted_the_store_ends_every_process_of_the_job(tmp_path):
     """09 README, several nodes: "torchrun starts each worker in a session of its own, so a
     SIGKILLed agent's worker runs on; if that agent hosted the rendezvous store, the other
     agents fail on their next look at it (RendezvousConnectionError) and stop their workers,
-    the orphan's next all-reduce fails, and no process of the job is left"."""
-    from harness.launch import descendants, start_nodes
-    from harness.selfcheck import command_line
-
-    agents = start_nodes(RESILIENT, "--epochs", "3", "--batch-size", "4", "--train-windows",
-                         "256", "--save-every", "2", "--checkpoint-dir", str(tmp_path),
-                         job="killed", check=False, timeout=90)  # node 0 hosts the store
+    the orphan's next collective fails, and no process of the job is left"."""
+    agents, workers = two_nodes_training(tmp_path, "killed", epochs=10), []  # killed early
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "step-00000002").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        workers = [pid for pid in descendants(agents[0].pid)
-                   if "train_resilient.py" in command_line(pid)]
-        assert workers, "node 0's worker was not found running"
-        assert all(os.getsid(pid) == pid for pid in workers), "each worker leads its own session"
+        wait_until_saved(tmp_path, 2)
+        workers = workers_of(agents[0]) + workers_of(agents[1])
+        assert len(workers) == 2, f"the two workers were not found running: {workers}"
         os.kill(agents[0].pid, signal.SIGKILL)  # node 0's torchrun, lost; its worker is not
         killed_at = time.monotonic()
         other = agents[1].result()
-        while any(command_line(pid) for pid in workers) and time.monotonic() < killed_at + 60:
+        while alive(workers) and time.monotonic() < killed_at + 60:
             time.sleep(0.1)
-        left = [pid for pid in workers if command_line(pid)]
-        assert not left, f"the lost agent's worker ran on, {time.monotonic() - killed_at:.0f} s"
+        assert not alive(workers), f"still running {time.monotonic() - killed_at:.0f} s later"
         assert other.returncode != 0, other.output[-3000:]
         assert "RendezvousConnectionError" in other.output, other.output[-3000:]
         assert "closing signal SIGTERM" in other.output, "the other agent stops its own worker"
         assert agents[0].result().returncode == -signal.SIGKILL
         assert (tmp_path / "step-00000002" / "train.pt").is_file(), "the checkpoint to resume from"
     finally:
-        for agent in agents:
-            agent.stop()
-        for pid in locals().get("workers", []):
-            if command_line(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(agents, workers)
 
 
-def test_the_agents_exit_barrier_waits_300_seconds_and_torchrun_has_no_flag_for_it():
-    """09 README, several nodes: "an agent whose workers finished waits up to 300 s for the
-    others (its exit barrier); torchrun has no option to shorten it"."""
+@pytest.mark.timeout(150)
+def test_a_killed_agent_that_hosted_nothing_leaves_the_others_waiting_at_the_exit_barrier(
+        tmp_path):
+    """09 README, several nodes: "any other agent lost: nothing fails; its worker trains to the
+    end with the others, then each surviving agent waits at its exit barrier for the lost one,
+    up to 300 s (exit_barrier_timeout), which torchrun has no option for, and then logs an
+    error and ends"."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher.api import launch_agent
 
     assert inspect.signature(LocalElasticAgent).parameters["exit_barrier_timeout"].default == 300
+    assert "exit_barrier_timeout" not in inspect.getsource(launch_agent), "torchrun passes none"
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    assert "Error waiting on exit barrier" in inspect.getsource(SimpleElasticAgent._exit_barrier)
     options = [action.dest for action in run.get_args_parser()._actions]
     assert not [name for name in options if "barrier" in name or "exit" in name], options
+    # LOGLEVEL=INFO: the agent says it is waiting (at INFO).
+    agents, workers = two_nodes_training(tmp_path, "waiting", 2, env={"LOGLEVEL": "INFO"}), []
+    try:
+        wait_until_saved(tmp_path, 2)
+        workers = workers_of(agents[0]) + workers_of(agents[1])
+        assert len(workers) == 2, f"the two workers were not found running: {workers}"
+        os.kill(agents[1].pid, signal.SIGKILL)  # node 1's torchrun; the store lives on
+        deadline = time.monotonic() + 80
+        waiting = "Waiting 300 seconds for other agents to finish"
+        while waiting not in agents[0].output_so_far() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        output = agents[0].output_so_far()
+        assert waiting in output, output[-3000:]
+        assert "epoch 2/2" in output, "the job trained to its end without node 1's agent"
+        assert not alive(workers), "both workers, node 1's orphan too, ended by themselves"
+        assert agents[0].running(), "node 0's agent still waits for node 1's"
+    finally:
+        kill_all(agents, workers)

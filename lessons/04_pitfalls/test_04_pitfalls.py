@@ -240,6 +240,9 @@ def test_the_lab_names_the_process_that_asked_for_a_gpu_its_machine_lacks():
     one_machine = [{**fixed[0]}, {**fixed[1], "local_rank": 1}]
     symptom, verdict = lab04.summarize(one_machine, True)
     assert symptom and "rank 1's tensors landed on cuda:0" in verdict, verdict
+    one_gpu = [{**fixed[0]}, {"rank": 1, "local_rank": 1, "emulated": emulated, "gpus_here": 1}]
+    symptom, verdict = lab04.summarize(one_gpu, True)
+    assert symptom and "rank 1 has LOCAL_RANK 1, but its machine has 1 GPU(s)" in verdict, verdict
 
 
 @pytest.mark.slow

@@ -50,11 +50,36 @@ def pytest_configure(config):
 ALREADY_PASSED = pytest.StashKey[int]()  # lesson checks --solutions left out in CI
 
 
+def _reaches_the_exercises(item) -> bool:
+    """Whether a test uses the ``ex`` fixture or calls, through its module's own functions,
+    ``load_exercise``: the one place where learner and solutions runs differ."""
+    if "ex" in item.fixturenames:
+        return True
+    import ast
+
+    module = item.module
+    graph = getattr(module, "_course_call_graph", None)
+    if graph is None:
+        tree = ast.parse(Path(module.__file__).read_text())
+        graph = {node.name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                 for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        module._course_call_graph = graph
+    seen, todo = set(), [item.originalname, *item.fixturenames]  # the module's fixtures too
+    while todo:
+        name = todo.pop()
+        if name == "load_exercise":
+            return True
+        if name not in seen:
+            seen.add(name)
+            todo += graph.get(name, ())
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
     """In CI only, with --solutions: a lesson check (a test of no task) that passed in this CI
-    run's learner run ($COURSE_CI_REPORTS/learner.xml) is not run again. It grades no task, and
-    the code outside the tasks is the same in stubs and solutions (tests/test_course.py checks
-    that), so it would run the same code a second time: mostly torchrun launches."""
+    run's learner run ($COURSE_CI_REPORTS/learner.xml) is not run again, unless it reaches the
+    exercises (the ``ex`` fixture, or ``load_exercise`` through the module's functions). It
+    would run the same code a second time: mostly torchrun launches."""
     from harness.selfcheck import CI_REPORTS_ENV, read_report
 
     learner = Path(os.environ.get(CI_REPORTS_ENV, "")) / "learner.xml"
@@ -66,7 +91,8 @@ def pytest_collection_modifyitems(config, items):
         path, _, name = item.nodeid.partition("::")
         report_id = f"{path.removesuffix('.py').replace('/', '.')}::{name}"
         untasked = not any(TASK_MARK.match(mark.name) for mark in item.iter_markers())
-        (done if untasked and report_id in passed else again).append(item)
+        same_in_both = untasked and report_id in passed and not _reaches_the_exercises(item)
+        (done if same_in_both else again).append(item)
     if done:
         config.hook.pytest_deselected(items=done)
         items[:] = again

@@ -181,6 +181,15 @@ class Launch:
         """The launcher's process id: torchrun's agent, for a torchrun launch."""
         return self._proc.pid
 
+    def running(self) -> bool:
+        return self._proc.poll() is None
+
+    def output_so_far(self) -> str:
+        """What the launch has printed until now (it may still be running)."""
+        if self._outcome is not None:
+            return self._outcome.output if isinstance(self._outcome, LaunchResult) else ""
+        return (Path(self._tmp.name) / "output.txt").read_text(errors="replace")
+
     def result(self) -> LaunchResult:
         """Wait for the script; raise LaunchError if it failed or ran past its timeout."""
         if self._outcome is None:
@@ -278,15 +287,19 @@ def start_nodes(script: str | os.PathLike, *args: str, nodes: int = 2, nproc: in
                 job: str = "nodes", timeout: float = LAUNCH_TIMEOUT, check: bool = True,
                 env: dict | None = None) -> list[Launch]:
     """``nodes`` torchrun agents on this machine, started as the nodes of one job of ``nproc``
-    processes each: a c10d rendezvous on a free port of 127.0.0.1 whose store node 0's agent
-    hosts (``is_host`` pins it: on one machine any agent could). Only node 0's launch asks for
-    ``--result``: the job's rank 0 is there."""
+    processes each, on a c10d rendezvous at a free port of 127.0.0.1. Node n's agent says it is
+    127.0.0.(n + 1) (every 127.x address is this machine): the rendezvous numbers the nodes in
+    the order of their addresses (then of their process ids), so node n is GROUP_RANK n, and
+    node 0 has the job's rank 0, whose launch alone asks for ``--result``. Node 0's agent hosts
+    the rendezvous's store (``is_host`` pins it: on one machine any agent could)."""
+    if not 1 <= nodes <= 9:  # "127.0.0.10" would sort before "127.0.0.2"
+        raise ValueError(f"1 to 9 nodes, not {nodes}")
     port = free_port()
     return [Launch(script, *args, launcher="torchrun-node", nproc=nproc, result=node == 0,
                    timeout=timeout, check=check, env=env, launcher_args=(
                        f"--nnodes={nodes}", "--rdzv-backend=c10d",
                        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
-                       f"--rdzv-conf=is_host={node == 0}"))
+                       f"--rdzv-conf=is_host={node == 0}", f"--local-addr=127.0.0.{node + 1}"))
             for node in range(nodes)]
 
 

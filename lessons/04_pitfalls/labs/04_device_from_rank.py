@@ -43,6 +43,9 @@ def demo(fix: bool) -> dict:
     facts = {"rank": dist.get_rank(), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
              "emulated": [gpu_index(env, fix) for env in TWO_MACHINES]}
     if torch.cuda.is_available():
+        if fix and facts["local_rank"] >= torch.cuda.device_count():
+            facts["gpus_here"] = torch.cuda.device_count()  # more processes than GPUs
+            return facts
         if fix:
             torch.cuda.set_device(facts["local_rank"])  # before anything touches CUDA
         else:  # the mistake, for real: the global rank as the GPU index
@@ -60,8 +63,14 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
     emulated = facts[0]["emulated"]
     bad = any(index >= 2 for index in emulated)  # each machine has cuda:0 and cuda:1 only
     landed = sorted({f["bare_cuda_tensor"] for f in facts if "bare_cuda_tensor" in f})
+    crowded = [f for f in facts if "gpus_here" in f]
+    if crowded:
+        f = crowded[0]
+        return True, (f"SYMPTOM: rank {f['rank']} has LOCAL_RANK {f['local_rank']}, but its "
+                      f"machine has {f['gpus_here']} GPU(s): start one process per GPU "
+                      f"(--nproc-per-node=gpu)")
     failed = [f for f in facts if "rank_as_gpu_error" in f]
-    if failed:  # this job spans machines: a process asked for a GPU its machine lacks
+    if failed:  # a GPU index past this machine's: another node's rank, or too many processes
         f = failed[0]
         return True, (f"SYMPTOM: rank {f['rank']} (local rank {f['local_rank']}) asked for "
                       f"cuda:{f['rank']}: {f['rank_as_gpu_error']} (rerun with --fix)")
