@@ -53,18 +53,18 @@ ALREADY_PASSED = pytest.StashKey[int]()  # lesson checks --solutions left out in
 def _reaches_the_exercises(item) -> bool:
     """Whether a test uses the ``ex`` fixture or calls, through its module's own functions,
     ``load_exercise``: the one place where learner and solutions runs differ."""
-    if "ex" in item.fixturenames:
+    module, fixtures = getattr(item, "module", None), getattr(item, "fixturenames", ())
+    if "ex" in fixtures or module is None:  # not a test function: keep it
         return True
     import ast
 
-    module = item.module
     graph = getattr(module, "_course_call_graph", None)
     if graph is None:
         tree = ast.parse(Path(module.__file__).read_text())
         graph = {node.name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
                  for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
         module._course_call_graph = graph
-    seen, todo = set(), [item.originalname, *item.fixturenames]  # the module's fixtures too
+    seen, todo = set(), [getattr(item, "originalname", item.name), *fixtures]
     while todo:
         name = todo.pop()
         if name == "load_exercise":
@@ -97,7 +97,6 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=done)
         items[:] = again
         config.stash[ALREADY_PASSED] = len(done)
-
 
 
 def pytest_report_collectionfinish(config, start_path, items):
