@@ -7,6 +7,7 @@ these, the test fails here instead of the text quietly becoming wrong.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import inspect
 import io
@@ -567,7 +568,8 @@ def test_ddp_starts_all_reducing_buckets_before_the_backward_ends():
 
 def test_torchrun_ignores_node_rank_with_a_c10d_rendezvous(caplog):
     """09 README, two nodes: "with --rdzv-backend=c10d, torchrun ignores --node-rank (it says
-    so) ... the rendezvous numbers the nodes in the order of their ids"."""
+    so) ... the rendezvous numbers the nodes in the sorted order of their addresses, then of
+    their agents' process ids" (harness.launch.start_nodes relies on it)."""
     with caplog.at_level("WARNING"):
         run.config_from_args(torchrun_args("--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
                                            "--rdzv-endpoint=127.0.0.1:0"))
@@ -575,6 +577,10 @@ def test_torchrun_ignores_node_rank_with_a_c10d_rendezvous(caplog):
     source = inspect.getsource(
         torch.distributed.elastic.rendezvous.dynamic_rendezvous._DistributedRendezvousOpExecutor)
     assert "for rank, node in enumerate(sorted(state.participants))" in " ".join(source.split())
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    assert [f.name for f in dataclasses.fields(_NodeDesc)][:2] == ["addr", "pid"]
+    assert _NodeDesc("127.0.0.1", 9, 0) < _NodeDesc("127.0.0.2", 1, 0)  # the address first
 
 
 def test_a_new_dataloader_iterator_draws_a_seed_from_the_global_generator():
