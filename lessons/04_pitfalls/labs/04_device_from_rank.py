@@ -124,8 +124,9 @@ def main(argv=None) -> None:
         for env, index in zip(TWO_MACHINES, facts[0]["emulated"], strict=True):
             print(f"  RANK {env['RANK']}  LOCAL_RANK {env['LOCAL_RANK']}  ->  cuda:{index}")
         for f in facts:
+            none = "n/a (no GPU of its own)" if "gpus_here" in f else "n/a (no GPU)"
             print(f"this job: rank {f['rank']} (local rank {f['local_rank']}): "
-                  f"bare 'cuda' tensor on {f.get('bare_cuda_tensor', 'n/a (no GPU)')}"
+                  f"bare 'cuda' tensor on {f.get('bare_cuda_tensor', none)}"
                   + (f"; cuda:{f['rank']} failed: {f['rank_as_gpu_error']}"
                      if "rank_as_gpu_error" in f else ""))
         print(f"verdict: {verdict}")
