@@ -692,24 +692,18 @@ def test_an_agent_whose_other_node_never_comes_gives_up_after_its_join_timeout()
 @pytest.mark.timeout(120)
 def test_ctrl_c_to_torchrun_stops_every_worker():
     """09 README, restarts: "Ctrl-C to torchrun stops every process it started"."""
-    from harness.launch import Launch, descendants
-    from harness.selfcheck import command_line
+    from harness.launch import Launch
 
     launch = Launch(RESILIENT, "--epochs", "50", launcher="torchrun", nproc=2, result=False,
                     check=False, timeout=90)
-    deadline = time.monotonic() + 60
-    workers = []
-    while time.monotonic() < deadline and len(workers) < 2:
-        time.sleep(0.5)
-        workers = [pid for pid in descendants(launch.pid)
-                   if "train_resilient.py" in command_line(pid)]
+    wait_until(lambda: len(workers_of(launch)) >= 2, time.monotonic() + 60, every=0.5)
+    workers = workers_of(launch)
     assert len(workers) == 2, f"the two workers did not start: {workers}"
     time.sleep(2)  # inside training by now
     os.kill(launch.pid, signal.SIGINT)  # what Ctrl-C sends to the launcher
     run = launch.result()
     assert run.returncode != 0
-    alive = [pid for pid in workers if command_line(pid)]
-    assert not alive, f"workers left running after Ctrl-C: {alive}"
+    assert not alive(workers), f"workers left running after Ctrl-C: {alive(workers)}"
 
 
 def two_nodes_training(tmp_path, job: str, epochs: int, env: dict | None = None) -> list:
@@ -722,12 +716,22 @@ def two_nodes_training(tmp_path, job: str, epochs: int, env: dict | None = None)
                        str(tmp_path), job=job, check=False, timeout=90, env=env)
 
 
-def workers_of(agent) -> list[int]:
-    """The training processes ``agent`` started, each the leader of a session of its own."""
+def wait_until(condition, until: float, every: float = 0.1) -> None:
+    """Poll ``condition`` until it holds or the monotonic clock reaches ``until``."""
+    while not condition() and time.monotonic() < until:
+        time.sleep(every)
+
+
+def workers_of(launch) -> list[int]:
+    """The training processes a launch's agent started, alive now."""
     from harness.launch import descendants
     from harness.selfcheck import command_line
 
-    workers = [pid for pid in descendants(agent.pid) if "train_resilient.py" in command_line(pid)]
+    return [pid for pid in descendants(launch.pid) if "train_resilient.py" in command_line(pid)]
+
+
+def own_sessions(workers: list[int]) -> list[int]:
+    """``workers``, each checked to lead a session of its own (torchrun starts them so)."""
     for pid in workers:
         try:
             assert os.getsid(pid) == pid, "torchrun starts each worker in a session of its own"
@@ -737,9 +741,7 @@ def workers_of(agent) -> list[int]:
 
 
 def wait_until_saved(folder, step: int) -> None:
-    deadline = time.monotonic() + 60
-    while not (folder / f"step-{step:08d}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until((folder / f"step-{step:08d}").exists, time.monotonic() + 60)
     assert (folder / f"step-{step:08d}").exists(), f"no checkpoint of step {step} after 60 s"
 
 
@@ -765,13 +767,12 @@ def test_a_killed_agent_that_hosted_the_store_ends_every_process_of_the_job(tmp_
     agents, workers = two_nodes_training(tmp_path, "killed", epochs=10), []  # killed early
     try:
         wait_until_saved(tmp_path, 2)
-        workers = workers_of(agents[0]) + workers_of(agents[1])
+        workers = own_sessions(workers_of(agents[0]) + workers_of(agents[1]))
         assert len(workers) == 2, f"the two workers were not found running: {workers}"
         os.kill(agents[0].pid, signal.SIGKILL)  # node 0's torchrun, lost; its worker is not
         killed_at = time.monotonic()
         other = agents[1].result()
-        while alive(workers) and time.monotonic() < killed_at + 60:
-            time.sleep(0.1)
+        wait_until(lambda: not alive(workers), killed_at + 60)
         assert not alive(workers), f"still running {time.monotonic() - killed_at:.0f} s later"
         assert other.returncode != 0, other.output[-3000:]
         assert "RendezvousConnectionError" in other.output, other.output[-3000:]
@@ -803,18 +804,16 @@ def test_a_killed_agent_that_hosted_nothing_leaves_the_others_waiting_at_the_exi
     agents, workers = two_nodes_training(tmp_path, "waiting", 2, env={"LOGLEVEL": "INFO"}), []
     try:
         wait_until_saved(tmp_path, 2)
-        workers = workers_of(agents[0]) + workers_of(agents[1])
+        workers = own_sessions(workers_of(agents[0]) + workers_of(agents[1]))
         assert len(workers) == 2, f"the two workers were not found running: {workers}"
         os.kill(agents[1].pid, signal.SIGKILL)  # node 1's torchrun; the store lives on
         deadline = time.monotonic() + 80
         waiting = "Waiting 300 seconds for other agents to finish"
-        while waiting not in agents[0].output_so_far() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: waiting in agents[0].output_so_far(), deadline, every=0.2)
         output = agents[0].output_so_far()
         assert waiting in output, output[-3000:]
         assert "epoch 2/2" in output, "the job trained to its end without node 1's agent"
-        while alive(workers) and time.monotonic() < deadline:  # the orphan may end a bit later
-            time.sleep(0.1)
+        wait_until(lambda: not alive(workers), deadline)  # the orphan may end a bit later
         assert not alive(workers), "both workers, node 1's orphan too, end by themselves"
         assert agents[0].running(), "node 0's agent still waits for node 1's"
     finally:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections import defaultdict
@@ -50,20 +51,23 @@ def pytest_configure(config):
 ALREADY_PASSED = pytest.StashKey[int]()  # lesson checks --solutions left out in CI
 
 
+@functools.cache
+def _names_used(path: str) -> dict[str, set[str]]:
+    """Each top-level function or class of a test module: the names it uses."""
+    import ast
+
+    tree = ast.parse(Path(path).read_text())
+    return {node.name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
 def _reaches_the_exercises(item) -> bool:
     """Whether a test uses the ``ex`` fixture or calls, through its module's own functions,
     ``load_exercise``: the one place where learner and solutions runs differ."""
     module, fixtures = getattr(item, "module", None), getattr(item, "fixturenames", ())
     if "ex" in fixtures or module is None:  # not a test function: keep it
         return True
-    import ast
-
-    graph = getattr(module, "_course_call_graph", None)
-    if graph is None:
-        tree = ast.parse(Path(module.__file__).read_text())
-        graph = {node.name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-                 for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-        module._course_call_graph = graph
+    graph = _names_used(module.__file__)
     seen, todo = set(), [getattr(item, "originalname", item.name), *fixtures]
     while todo:
         name = todo.pop()
