@@ -14,6 +14,7 @@ correct methods would drift apart (lesson 03 measures this); without biases, fp3
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -671,6 +672,95 @@ def test_hand_zero_step_before_backward_is_a_clear_error(ex, method, graded):
 EDGE_METHODS = [pytest.param("zero1", "Zero1Optimizer", marks=pytest.mark.task5_2, id="zero1"),
                 pytest.param("zero2", "Zero2Optimizer", marks=pytest.mark.task5_3, id="zero2"),
                 pytest.param("fsdp", "shard_model", marks=pytest.mark.task5_4, id="fsdp")]
+
+
+def accumulate_beside_ddp(ctx, method: str, micro_batches: int, steps: int = 2,
+                          discard_first: bool = False):
+    """``steps`` optimizer steps of ``method`` beside DDP, each over ``micro_batches``
+    accumulated backwards of this rank's share (each micro-batch's loss divided by their
+    number): DDP skips its all-reduce under ``no_sync()`` for all but the last, FSDP2 under
+    ``set_requires_gradient_sync(False)``, the hand ZeRO optimizers reduce as they were built
+    to. ``discard_first``: before each step's micro-batches, one backward of another batch
+    thrown away with ``zero_grad()``, which must forget it. Returns both trajectories."""
+    no_tf32()
+    ex = load_exercise(LESSON)
+    reference = ddp_of(make_gpt().to(ctx.device), ctx)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model = make_gpt().to(ctx.device)
+    if method == "fsdp":
+        model = sharded_by(ex, model)
+        sharded = torch.optim.AdamW(model.parameters(), **ADAMW)
+    else:
+        sharded = build_hand_zero(ex, method, model, "adamw")
+    result = {"start": whole_parameters(model), "method": [], "ddp": []}
+    try:
+        for step in range(steps):
+            inputs, targets = my_share(ctx, step)
+            reference_optimizer.zero_grad(set_to_none=True)
+            sharded.zero_grad(set_to_none=True)
+            if discard_first:
+                thrown_inputs, thrown_targets = my_share(ctx, 50 + step)
+                model(thrown_inputs, thrown_targets)[1].backward()
+                sharded.zero_grad(set_to_none=True)
+            parts = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches),
+                             strict=True))
+            for index, (x, y) in enumerate(parts):
+                last = index == len(parts) - 1
+                with reference.no_sync() if not last else contextlib.nullcontext():
+                    (reference(x, y)[1] / len(parts)).backward()
+                if method == "fsdp":
+                    model.set_requires_gradient_sync(last)
+                (model(x, y)[1] / len(parts)).backward()
+            reference_optimizer.step()
+            sharded.step()
+            result["method"].append(whole_parameters(model))
+            result["ddp"].append(whole_parameters(reference.module))
+    finally:
+        if hasattr(sharded, "remove"):
+            sharded.remove()
+    return result
+
+
+ACCUMULATION_HINTS = {
+    "zero1": "the step must reduce the gradients the backwards accumulated in param.grad",
+    "zero2": ("if the steps without accumulation pass (the test above), the hook replaces "
+              "the piece's .grad instead of adding to it, so only the last micro-batch "
+              "counts: add the reduced piece to it (or make it the .grad when there is none)"),
+    "fsdp": ("FSDP2 accumulates by itself: shard_model must return the model fully_shard "
+             "made, whose set_requires_gradient_sync the training loop calls"),
+}
+
+
+@pytest.mark.parametrize("method,graded", EDGE_METHODS)
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_accumulated_backwards_then_one_step_equal_ddp_with_no_sync(ex, method, graded,
+                                                                   micro_batches):
+    """Gradient accumulation (lesson 04): k backwards, then one step, equal DDP's k backwards
+    under no_sync, for every sharded method."""
+    raise_if_untouched(getattr(ex, graded))  # a stub: not attempted, without starting ranks
+    results = run_on_ranks(accumulate_beside_ddp, method, micro_batches, world_size=2)
+    for rank, result in enumerate(results):
+        try:
+            assert_same_as_ddp(result, rank, 2, f"{method}, {micro_batches} accumulated "
+                                                 f"backwards per step")
+        except AssertionError as error:
+            raise with_diagnosis(error, ACCUMULATION_HINTS[method]) from None
+
+
+@pytest.mark.parametrize("method,graded", HAND_ZERO)
+def test_hand_zero_zero_grad_forgets_an_earlier_backward(ex, method, graded):
+    """``zero_grad()`` between a backward and the next one throws the first away, as any
+    optimizer's does: for ZeRO-2 that means the reduced pieces too."""
+    raise_if_untouched(getattr(ex, graded).zero_grad)  # a stub: not attempted, without ranks
+    results = run_on_ranks(accumulate_beside_ddp, method, 1, 2, True, world_size=2)
+    for rank, result in enumerate(results):
+        try:
+            assert_same_as_ddp(result, rank, 2, f"{method}, a backward thrown away with "
+                                                 f"zero_grad() before the step's own")
+        except AssertionError as error:
+            raise with_diagnosis(error, "zero_grad() must clear every gradient this optimizer "
+                                        "keeps, the pieces' .grad as well as the "
+                                        "parameters'") from None
 
 
 @pytest.mark.parametrize("method,graded", EDGE_METHODS)

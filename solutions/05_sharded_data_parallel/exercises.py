@@ -144,7 +144,8 @@ class Zero1Optimizer:
     before each backward, as with any optimizer).
 
     The test trains with it beside DDP on 2, 3 and 4 ranks (AdamW, and SGD, which shows a
-    gradient's scale) and compares the parameters after every step; it measures that each
+    gradient's scale) and compares the parameters after every step, also with 2 and 3
+    accumulated backwards per step (against DDP under ``no_sync``); it measures that each
     rank's optimizer holds 1/W of the state (to the padding), and counts the bytes
     reduce-scattered and all-gathered: one model's worth each, what DDP's all-reduce moves.
     """
@@ -192,23 +193,28 @@ class Zero2Optimizer:
     (``param.register_post_accumulate_grad_hook``), which backward calls as soon as that
     parameter's gradient is complete. The hook:
 
-    1. ``reduce_scatter_mean`` the gradient and keep the real elements of this rank's piece as
-       the view's ``.grad``;
+    1. ``reduce_scatter_mean`` the gradient and add the real elements of this rank's piece to
+       the view's ``.grad`` (or make them its ``.grad`` when it has none): with gradient
+       accumulation, several backwards run before one ``step()``, and each must count;
     2. frees the whole gradient at once: ``param.grad = None``.
 
-    So a rank never holds more than one whole gradient (the one being reduced) beside its
-    gradient pieces: gradient memory falls from Ψ to Ψ/W.
+    So the parameters' ``.grad`` never hold more than one whole gradient (the one being
+    reduced) beside the gradient pieces: gradient memory falls from Ψ to Ψ/W. (Autograd may
+    still hold a gradient it has computed but not yet accumulated into ``.grad``.)
 
     ``step()``: every parameter must have been reduced since the last step, else
     ``RuntimeError`` naming the first that was not (its index and shape: ``step()`` before
     ``backward()``), raised before any collective. Then, as in ZeRO-1: step the inner optimizer,
     set the views' ``.grad`` to ``None``, and all-gather the pieces back into the whole
-    parameters. ``zero_grad()`` clears the parameters' gradients, as any optimizer's does (after
-    a backward the hooks have cleared them already); ``remove()`` removes the hooks.
+    parameters. ``zero_grad()`` clears every gradient this optimizer keeps, the pieces' ``.grad``
+    as well as the parameters', as any optimizer's does: a backward before it no longer counts.
+    ``remove()`` removes the hooks.
 
     The test trains with it beside DDP on 2, 3 and 4 ranks, compares the parameters after every
-    step (and the first step's updates, with SGD too), measures the whole gradients a rank holds
-    at every point of backward, and counts the bytes reduce-scattered and all-gathered.
+    step (and the first step's updates, with SGD too), with 2 and 3 accumulated backwards per
+    step (against DDP under ``no_sync``), and after a backward thrown away by ``zero_grad()``;
+    it measures the whole gradients a rank holds at every point of backward, and counts the
+    bytes reduce-scattered and all-gathered.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, **defaults):
@@ -226,7 +232,11 @@ class Zero2Optimizer:
 
     def _reduce_scatter_gradient(self, param: nn.Parameter) -> None:
         shard = self.shard_of[param]
-        shard.grad = reduce_scatter_mean(param.grad)[: shard.numel()]
+        piece = reduce_scatter_mean(param.grad)[: shard.numel()]
+        if shard.grad is None:
+            shard.grad = piece
+        else:  # gradient accumulation: every backward since the last step counts
+            shard.grad += piece
         param.grad = None  # the whole gradient is not needed again: free it now
 
     def step(self) -> None:
@@ -242,8 +252,8 @@ class Zero2Optimizer:
                 param.view(-1).copy_(all_gather_pieces(shard, param.numel()))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for param in self.params:
-            param.grad = None
+        for tensor in (*self.params, *self.shards):
+            tensor.grad = None
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -277,8 +287,10 @@ def shard_model(model: nn.Module, reshard_after_forward: bool = True, mp_policy=
 
     The test trains it beside DDP on 2, 3 and 4 ranks; counts the all-gathers of a step (the
     root once, each block once or twice) and their bytes; measures the unsharded parameters a
-    rank holds at the end of the forward with ``reshard_after_forward`` True and False; and
-    gives one rank a model with another block, then one wider.
+    rank holds at the end of the forward with ``reshard_after_forward`` True and False; trains
+    2 and 3 accumulated backwards per step (``set_requires_gradient_sync(False)`` on all but the
+    last) against DDP under ``no_sync``; and gives one rank a model with another block, then one
+    wider.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
