@@ -657,6 +657,32 @@ def test_dcp_writes_its_metadata_last_under_a_temporary_name():
     assert "Rank 0 is assumed to be the coordinator rank" in inspect.getdoc(dcp.save)
 
 
+def test_dcp_fsyncs_the_files_it_writes_by_default(tmp_path, monkeypatch):
+    """09 README, writing it atomically: "`torch.distributed.checkpoint` fsyncs its files too
+    (`FileSystemWriter(sync_files=True)` is its default)"."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    assert inspect.signature(FileSystemWriter).parameters["sync_files"].default is True
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    dcp.save({"weight": torch.ones(3)}, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    assert synced, "dcp.save wrote its files without an fsync"
+
+
+def test_set_rng_state_takes_a_cpu_byte_tensor_only():
+    """09 README: "`torch.set_rng_state` ... take[s] a CPU `ByteTensor` only" (so generator
+    states loaded with `map_location` onto another device cannot be restored); the state
+    torch hands out is such a tensor."""
+    state = torch.get_rng_state()
+    assert state.dtype == torch.uint8 and state.device.type == "cpu"
+    for moved in (state.to("meta"), state.float()):
+        with pytest.raises((TypeError, RuntimeError)):
+            torch.set_rng_state(moved)
+    torch.set_rng_state(state)
+
+
 def test_monitored_barrier_is_for_gloo_and_detail_wraps_new_groups():
     """09 README, finding a hang: "`monitored_barrier` (gloo only ...)" and "with
     TORCH_DISTRIBUTED_DEBUG=DETAIL, torch wraps every process group" (the lesson's own test

@@ -16,7 +16,6 @@ archive whose index comes last, so a file cut short by a crash does not open as 
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import zipfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gpt.run import rng_state, set_rng_state, sync_to_disk
 from torch import nn
 from torch.utils.data import DistributedSampler
 
@@ -61,22 +61,6 @@ class ResumableSampler(DistributedSampler):
 # --8<-- [end:ResumableSampler]
 
 
-def rng_state() -> dict:
-    """This process's generator states: torch's CPU one, Python's, and CUDA's once in use."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # --8<-- [start:save_training_state]
 def save_training_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, scaler,
                         position: Mapping) -> None:
@@ -85,14 +69,28 @@ def save_training_state(path: str | os.PathLike, model: nn.Module, optimizer, sc
     ``model`` is the bare module (for DDP, ``ddp_model.module``: the wrapper's keys carry a
     ``module.`` prefix that a plain model does not load). ``position`` is saved as given. The
     generators differ from rank to rank (each draws its own dropout masks): gather every
-    rank's :func:`rng_state` to rank 0 (``dist.all_gather_object``), which writes the file.
+    rank's ``rng_state()`` to rank 0 (``dist.all_gather_object``), which writes the file
+    (``rng_state``, ``set_rng_state`` and ``sync_to_disk`` are the running example's, in
+    ``lessons/gpt/run.py``).
 
-    Atomic: rank 0 writes into ``<path>.partial/`` (removed first if an earlier crash left one)
-    and renames that directory to ``path`` once the file is whole; no rank returns before
-    then. A crash at any moment leaves the earlier checkpoints as they were and no ``path``.
+    Whole or not at all, even across a power loss. Rank 0:
 
-    The test trains, saves, and crashes a save half-way (``torch.save`` fails after writing
-    part of its file), then looks at what is on disk.
+    1. writes ``train.pt`` into ``<path>.partial/`` (removed first if an earlier crash left
+       one);
+    2. makes it durable before the rename: ``sync_to_disk`` the file, then the
+       ``.partial`` directory (a file system may put the rename on the disk before the
+       file's data, so without this a power loss can leave a short file under the final
+       name);
+    3. renames the directory to ``path``. A ``path`` that exists already (this step was saved
+       before a restart, perhaps broken) is replaced: renamed aside first, removed after;
+    4. ``sync_to_disk`` the parent directory: the rename itself becomes durable.
+
+    No rank returns before then. A crash at any moment leaves the earlier checkpoints as they
+    were and no half-written ``path``.
+
+    The test trains, saves, crashes a save half-way (``torch.save`` fails after writing part
+    of its file), saves over a broken and a whole copy of the same step, then looks at what
+    is on disk; it records each fsync and rename, in order.
     """
     raise NotImplementedError("task9_1: gather generators; rank 0 writes <path>.partial, renames")
 # --8<-- [end:save_training_state]
@@ -105,7 +103,7 @@ def load_training_state(path: str | os.PathLike, model: nn.Module, optimizer, sc
 
     Every rank calls it and loads ``train.pt`` with ``map_location`` (this rank's device: a
     file saved from cuda:0 must not land on rank 1's cuda:0), restores the model, the
-    optimizer, the scheduler and the scaler, and its own generators (:func:`set_rng_state`
+    optimizer, the scheduler and the scaler, and its own generators (``set_rng_state``
     with the entry of its rank). A checkpoint written by a different number of ranks raises
     ``ValueError`` naming both numbers (its generators belong to ranks that do not exist now;
     resharding is what ``torch.distributed.checkpoint`` is for).

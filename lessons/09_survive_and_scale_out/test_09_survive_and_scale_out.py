@@ -321,6 +321,153 @@ def test_a_crash_during_a_save_leaves_the_last_checkpoint_whole(ex, tmp_path):
         f"{got['mismatch']!r}")
 
 
+def load_onto_meta_on_rank(ctx, ex_path: str, folder: str) -> dict:
+    """Save, then load with ``map_location="meta"`` into a model and optimizer on the meta
+    device: the tensors move, the generators must still come back (on a GPU the same load
+    with ``map_location=cuda:k`` would hand ``set_rng_state`` tensors it cannot take)."""
+    from harness.exercises import load_path
+
+    ex = load_path(ex_path)
+    path = Path(folder) / "step-00000002"
+    run = Run(ex, global_seed=10 + ctx.rank)
+    run.train(2)
+    saved = run.pieces()
+    run.save(ex, path)
+    model = GPT(GPTConfig(**CONFIG), seed=0).to("meta")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1)
+    torch.manual_seed(12345)  # elsewhere: what a new process's generators would be
+    random.seed(12345)
+    try:
+        ex.load_training_state(path, model, optimizer, scheduler, scaler, "meta")
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported to the learner
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    return {"error": None, "rng": torch.get_rng_state(), "python": random.getstate(),
+            "saved_rng": saved["rng"], "saved_python": saved["python_rng"],
+            "device": next(model.parameters()).device.type}
+
+
+@pytest.mark.task9_1
+def test_the_generators_come_back_whatever_device_the_tensors_load_onto(ex, tmp_path):
+    raise_if_untouched(ex.save_training_state, ex.load_training_state)
+    for rank, got in enumerate(run_on_ranks(load_onto_meta_on_rank, str(ex.__file__),
+                                            str(tmp_path), world_size=2)):
+        assert got["error"] is None, (
+            f"rank {rank}: load_training_state(..., map_location='meta') raised "
+            f"{got['error']}. map_location moves every tensor of the file; torch.set_rng_state "
+            f"takes a CPU ByteTensor only, so on a GPU the same load fails: save the generators "
+            f"with rng_state() (bytes, which map_location leaves alone) and restore them with "
+            f"set_rng_state()")
+        assert torch.equal(got["rng"], got["saved_rng"]), (
+            f"rank {rank}: after loading onto another device, torch's generator is not the "
+            f"one this rank saved")
+        assert got["python"] == got["saved_python"], (
+            f"rank {rank}: after loading onto another device, Python's generator is not the "
+            f"one this rank saved")
+
+
+def save_over_on_rank(ctx, ex_path: str, folder: str) -> dict:
+    """Save step 3 where a broken copy of it lies, then where a whole older copy lies (a
+    restart re-reaches a step it saved before), recording each fsync and rename."""
+    from harness.exercises import load_path
+
+    ex = load_path(ex_path)
+    path = Path(folder) / "step-00000003"
+    run = Run(ex, global_seed=3)
+    run.train(1)
+    outcomes = {}
+    path.mkdir()
+    (path / "train.pt").write_bytes(b"PK\x03\x04 cut short by a power loss")
+    events: list[tuple] = []
+    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename")}
+
+    def fsync(descriptor):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{descriptor}")))
+        return real["fsync"](descriptor)
+
+    def renamer(name):
+        def rename(source, destination, *args, **kwargs):
+            events.append(("rename", os.path.realpath(source), os.path.realpath(destination)))
+            return real[name](source, destination, *args, **kwargs)
+        return rename
+
+    for copy_kind in ("broken", "whole"):
+        run.train(1)
+        os.fsync, os.replace, os.rename = fsync, renamer("replace"), renamer("rename")
+        try:
+            run.save(ex, path)
+            outcomes[copy_kind] = None
+        except NotImplementedError:
+            raise
+        except Exception as error:  # noqa: BLE001 - reported to the learner
+            outcomes[copy_kind] = f"{type(error).__name__}: {error}"
+        finally:
+            os.fsync, os.replace, os.rename = real["fsync"], real["replace"], real["rename"]
+        if copy_kind == "broken":
+            first_events = list(events)
+    fresh = Run(ex, global_seed=4)
+    try:
+        fresh.load(ex, path)
+        loaded = fresh.position["step"]
+    except Exception as error:  # noqa: BLE001 - reported to the learner
+        loaded = f"{type(error).__name__}: {error}"
+    return {"outcomes": outcomes, "loaded": loaded, "steps": run.position["step"],
+            "events": first_events, "path": os.path.realpath(path),
+            "left": sorted(p.name for p in Path(folder).iterdir())}
+
+
+@pytest.mark.task9_1
+def test_a_save_replaces_a_copy_of_its_step_left_by_an_earlier_attempt(ex, tmp_path):
+    raise_if_untouched(ex.save_training_state, ex.load_training_state)
+    got = run_on_ranks(save_over_on_rank, str(ex.__file__), str(tmp_path), world_size=1)[0]
+    for kind, outcome in got["outcomes"].items():
+        assert outcome is None, (
+            f"saving step-00000003 where a {kind} copy of it already was failed: {outcome}. A "
+            f"restart that reaches a step again saves it again; os.replace cannot rename a "
+            f"directory onto one that is not empty: rename the old one aside first, then "
+            f"remove it")
+    assert got["loaded"] == got["steps"], (
+        f"after saving over the old copies, step-00000003 loads as {got['loaded']!r}; the run "
+        f"was at step {got['steps']}: the new checkpoint must replace the old one")
+    assert got["left"] == ["step-00000003"], (
+        f"after the saves, the folder holds {got['left']}: remove the old copy and the "
+        f".partial directory once the new checkpoint is in place")
+
+
+@pytest.mark.task9_1
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_a_save_reaches_the_disk_before_and_after_its_rename(ex, tmp_path):
+    raise_if_untouched(ex.save_training_state, ex.load_training_state)
+    got = run_on_ranks(save_over_on_rank, str(ex.__file__), str(tmp_path), world_size=1)[0]
+    assert got["outcomes"]["broken"] is None, f"the save failed: {got['outcomes']['broken']}"
+    events, path = got["events"], got["path"]
+    into = [i for i, event in enumerate(events) if event[0] == "rename" and event[2] == path]
+    assert into, (f"no rename onto {Path(path).name} was seen ({events}): write into "
+                  f"<path>.partial/ and rename it with os.replace")
+    rename = into[-1]
+    partial = events[rename][1]
+    synced = [(i, event[1]) for i, event in enumerate(events) if event[0] == "fsync"]
+    file_before = [i for i, where in synced if i < rename
+                   and where == os.path.join(partial, "train.pt")]
+    assert file_before, (
+        f"train.pt was not fsynced before the rename (fsyncs: {[w for _, w in synced]}): a "
+        f"file system may put the rename on the disk before the file's data, so a power loss "
+        f"can leave a short file under the final name. sync_to_disk(<partial>/train.pt) first")
+    directory_before = [i for i, where in synced if i < rename and where == partial]
+    assert directory_before and directory_before[-1] > file_before[-1], (
+        f"the .partial directory was not fsynced after its file and before the rename "
+        f"(fsyncs: {[w for _, w in synced]}): sync_to_disk(<partial>) records the file's name "
+        f"in it")
+    parent_after = [i for i, where in synced if i > rename and where == os.path.dirname(path)]
+    assert parent_after, (
+        f"the checkpoints folder was not fsynced after the rename (fsyncs: "
+        f"{[w for _, w in synced]}): until it is, the rename itself may be lost with the "
+        f"power. sync_to_disk(path.parent) last")
+
+
 # ----------------------------------------------------------------------------- task 9_2
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[01-02]",
@@ -524,6 +671,32 @@ def test_train_resilient_resumes_mid_epoch_bitwise(tmp_path):
     resumed = run_on_ranks(script_fit_on_rank, "train_resilient", str(tmp_path), world_size=2,
                            batch_size=4, save_every=3)
     assert resumed[0]["digest"] == whole[0]["digest"], "resumed at step 3, mid-epoch: other"
+
+
+def script_state_onto_meta_on_rank(ctx, name: str, folder: str) -> dict:
+    """The script's own save_state, then its load_state onto the meta device, as a GPU rank
+    loads onto cuda:k: the generators must come back all the same (and the step folder, saved
+    twice as after a restart, must be replaced)."""
+    script = load_lesson_module(LESSON, name)
+    path = Path(folder) / "step-00000001"
+    model = GPT(GPTConfig(**CONFIG), seed=0)
+    torch.manual_seed(5 + ctx.rank)
+    for _ in range(2):
+        script.save_state(path, {"model": model}, {"epoch": 0, "start": 0, "step": 1})
+    saved = torch.get_rng_state()
+    torch.manual_seed(999)
+    position = script.load_state(path, {"model": GPT(GPTConfig(**CONFIG)).to("meta")}, "meta")
+    return {"restored": torch.equal(torch.get_rng_state(), saved), "position": position,
+            "left": sorted(p.name for p in Path(folder).iterdir())}
+
+
+@pytest.mark.parametrize("name", ["train_checkpoint", "train_resilient"])
+def test_the_scripts_restore_generators_whatever_device_the_tensors_load_onto(tmp_path, name):
+    for rank, got in enumerate(run_on_ranks(script_state_onto_meta_on_rank, name,
+                                            str(tmp_path), world_size=2)):
+        assert got["restored"], f"rank {rank}: {name}.py did not restore its generator"
+        assert got["position"]["step"] == 1
+        assert got["left"] == ["step-00000001"], got["left"]
 
 
 # LOGLEVEL=INFO: torchrun shows its agent's decisions (warnings and errors only otherwise).

@@ -20,7 +20,6 @@ import datetime
 import gc
 import json
 import os
-import random
 import sys
 import time
 import zipfile
@@ -35,6 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
 from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, train_val_split  # noqa: E402
+from gpt.run import replace_directory, rng_state, set_rng_state  # noqa: E402
 
 
 def choose_device(requested: str = "auto") -> torch.device:
@@ -162,15 +162,13 @@ def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
 def save_state(path: Path, parts: dict, position: dict) -> None:
     """Rank 0 writes <path>.partial/train.pt, with every rank's generators, then renames it."""
     generators = [None] * dist.get_world_size()  # each rank's: they draw different masks
-    mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
-    dist.all_gather_object(generators, mine)
+    dist.all_gather_object(generators, rng_state())  # bytes: map_location cannot move them
     if dist.get_rank() == 0:
         partial = path.with_name(path.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)  # an earlier crash's is overwritten
         torch.save({**{name: part.state_dict() for name, part in parts.items()},
                     "position": position, "generators": generators}, partial / "train.pt")
-        os.replace(partial, path)  # the checkpoint appears whole, or not at all
+        replace_directory(partial, path)  # fsynced, then renamed: whole or not at all
     dist.barrier()  # no rank goes on before it is there
 
 
@@ -185,11 +183,7 @@ def load_state(path: Path, parts: dict, device) -> dict:
     state = torch.load(path / "train.pt", map_location=device, weights_only=True)
     for name, part in parts.items():
         part.load_state_dict(state[name])
-    generators = state["generators"][dist.get_rank()]  # this rank's own
-    torch.set_rng_state(generators["torch"])
-    random.setstate(generators["python"])
-    if generators["cuda"] is not None:  # this process's GPU's: dropout on a GPU draws there
-        torch.cuda.set_rng_state(generators["cuda"])
+    set_rng_state(state["generators"][dist.get_rank()])  # this rank's own, CUDA's too
     return state["position"]
 
 
