@@ -21,8 +21,12 @@ from harness.exercises import REPO_ROOT, solutions_mode
 from harness.launch import LaunchError, run_script, start_script
 from harness.pipeline import (
     Deadlock,
+    Op,
     OrderMismatch,
     ScheduleError,
+    UnsafeOrder,
+    check_links,
+    posts,
     reference_schedule,
     simulate,
 )
@@ -586,6 +590,44 @@ def test_pipeline_simulator_refuses_neighbours_that_pass_micro_batches_in_other_
                                             r"but stage 0 receives them in the order \[1, 0\]"):
         simulate(crossed, 2)
     simulate([crossed[0], crossed[0]], 2)  # the same order on both: fine
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 8)])
+def test_pipeline_simulator_refuses_1f1b_posted_one_operation_at_a_time(stages, micro_batches):
+    """On NCCL, 1F1B's neighbours each post a send whose receive waits behind the other's
+    send; posted in one batch with the next receive (the runner's way) both complete."""
+    schedule = reference_schedule("1f1b", stages, micro_batches)
+    with pytest.raises(UnsafeOrder, match=r"stage 0 posts send F\d's activations to stage 1, "
+                                          r"and only after it receive B0's gradient from stage 1"):
+        simulate(schedule, micro_batches, posting="separate")
+    simulate(schedule, micro_batches)  # fused, the default
+    simulate(reference_schedule("gpipe", stages, micro_batches), micro_batches,
+             posting="separate")  # GPipe's sends all come before its receives: safe either way
+
+
+def test_pipeline_posts_fuse_a_send_with_the_next_receive_from_the_same_neighbour():
+    fused = posts(reference_schedule("1f1b", 2, 2))
+    assert fused[0] == [(Op("send", 1, "F0's activations"),),
+                        (Op("send", 1, "F1's activations"), Op("recv", 1, "B0's gradient")),
+                        (Op("recv", 1, "B1's gradient"),)]
+    assert fused[1] == [(Op("recv", 0, "F0's activations"),),
+                        (Op("send", 0, "B0's gradient"), Op("recv", 0, "F1's activations")),
+                        (Op("send", 0, "B1's gradient"),)]
+    separate = posts(reference_schedule("1f1b", 2, 2), fused=False)
+    assert [len(post) for post in separate[0]] == [1, 1, 1, 1]
+
+
+def test_pipeline_links_check_recorded_posts_and_a_send_nobody_receives():
+    send, recv = Op("send", 1), Op("recv", 0)
+    check_links([[(send,)], [(recv,)]])
+    with pytest.raises(UnsafeOrder, match="never posts the other half"):
+        check_links([[(send,), (send,)], [(recv,)]])
+    crossed = [[(Op("send", 1),), (Op("recv", 1),)], [(Op("send", 0),), (Op("recv", 0),)]]
+    with pytest.raises(UnsafeOrder, match="On NCCL"):
+        check_links(crossed)
+    check_links([[(Op("send", 1), Op("recv", 1))], [(Op("recv", 0), Op("send", 0))]])
+    with pytest.raises(ValueError, match="posting"):
+        simulate(reference_schedule("gpipe", 2, 2), 2, posting="batched")
 
 
 @pytest.mark.parametrize("schedule,match", [

@@ -480,6 +480,20 @@ def test_sends_and_receives_of_one_tag_pair_up_in_the_order_they_are_posted():
     assert got == {"for_1": [0.0, 0.0], "for_0": [1.0, 1.0]}, got
 
 
+def test_schedule_1f1b_posts_a_send_in_one_batch_with_the_neighbours_receive():
+    """07 README, on NCCL: `batch_isend_irecv` treats its operations as one batch in which "the
+    relative ordering of sends vs. receives ... will not cause deadlocks", and `Schedule1F1B`'s
+    last warm-up send "is left for fuse with first 1B", posted as `fwd_sends + bwd_recvs`."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    doc = " ".join(inspect.getdoc(dist.batch_isend_irecv).split())
+    assert ("the relative ordering of sends vs. receives in the list does not matter and will "
+            "not cause deadlocks") in doc
+    source = " ".join(inspect.getsource(Schedule1F1B._step_microbatches).split())
+    assert "The last forward send is left for fuse with first 1B" in source
+    assert "fwd_sends + bwd_recvs" in source and "bwd_sends + fwd_recvs" in source
+
+
 def test_ddp_refuses_a_hook_named_like_torchs_bf16_hook_without_cuda_and_nccl():
     """08 README, hint for task 8_3: "a hook named `bf16_compress_hook`, the name of torch's own,
     is refused on torch builds without CUDA and NCCL" (and ddp_costs.py renames it for that)."""

@@ -81,11 +81,22 @@ class StageRunner:
       of its output from stage + 1 and runs ``output.backward(gradient)``. Any stage but the
       first then sends the gradient of its input to stage - 1. Free what was kept for i.
 
-    Sends are ``dist.isend`` (keep the returned work, and wait for all of them before ``step``
-    returns: a send's tensor must stay alive until it is received); receives are ``dist.irecv``
-    followed by ``work.wait(datetime.timedelta(seconds=self.timeout))``. A receive that times out
-    raises ``TimeoutError`` naming this stage, the action, and the stage it waited for: a
-    mismatched schedule then ends with a message, not a hang.
+    Sends and receives are point-to-point operations, posted so that they are safe on NCCL,
+    which runs the operations between two ranks one after another, in the order they are
+    posted, and completes a send larger than its buffer only once the receive runs. In 1F1B's
+    steady state stage s sends F(i)'s output to s + 1 and then waits for B(j)'s gradient from
+    s + 1, while s + 1 sends B(j)'s gradient and then waits for F(i)'s input: posted one by
+    one, each send would wait for a receive queued behind the other's send. So an action's
+    send is held back until the next action: if that action receives from the same neighbour,
+    post the send and the receive together, ``dist.batch_isend_irecv([send, receive])`` (one
+    batch: the order inside it does not matter, as torch's ``Schedule1F1B`` does); otherwise
+    post the send alone (``dist.isend``) before the next action. A receive with no send to fuse
+    is ``dist.irecv``. Wait for each receive (with its batch) with
+    ``work.wait(datetime.timedelta(seconds=self.timeout))``; a receive that times out raises
+    ``TimeoutError`` naming this stage, the action, and the stage it waited for: a mismatched
+    schedule then ends with a message, not a hang. Keep the works of the sends posted alone
+    and wait for all of them before ``step`` returns (a send's tensor must stay alive until it
+    is received), posting first a send still held back after the last action.
 
     Also records ``self.timeline``: one ``(kind, i, start, end)`` per action, ``time.perf_counter``
     seconds around its computation only (not its receives). Returns the last stage's m losses as
@@ -93,16 +104,18 @@ class StageRunner:
     Gradients accumulate in the module's parameters; the caller steps the optimizer.
 
     The test trains 2 and 4 stages of the running example with both schedules and several
-    micro-batch counts against the unsplit model, gives two stages mismatched schedules, and
-    measures the bubble from every stage's timeline.
+    micro-batch counts against the unsplit model, records the operations each stage posts and
+    runs them through the simulator's model of NCCL's links, gives two stages mismatched
+    schedules, and measures the bubble from every stage's timeline.
     """
 
     def __init__(self, module: nn.Module, stage: int, num_stages: int,
                  activation_shape: tuple[int, ...], loss_fn=None, timeout: float = 60.0):
         raise NotImplementedError("task7_2: keep the module, the stage and what step needs")
 
-    def _receive(self, source: int, what: str) -> torch.Tensor:
-        raise NotImplementedError("task7_2: irecv into a new tensor, wait with a timeout")
+    def _receive(self, source: int, what: str, send: dist.P2POp | None = None) -> torch.Tensor:
+        """Receive from ``source``, posted in one batch with ``send`` when there is one."""
+        raise NotImplementedError("task7_2: irecv (batched with send), wait with a timeout")
 
     def step(self, actions, inputs=None, targets=None) -> list[float]:
         raise NotImplementedError("task7_2: run the actions, sending and receiving between stages")

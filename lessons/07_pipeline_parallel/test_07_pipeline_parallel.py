@@ -6,6 +6,7 @@ What the lesson rests on, checked on gloo/CPU ranks (and on CUDA where present):
   deadlock, with the bubble and the activations in flight the text gives;
 - every stage of a pipeline takes the steps the unsplit model takes on the whole batch;
 - a mismatched pair of schedules ends with an error naming the stage, not a hang;
+- what a stage posts (its sends and receives, alone or batched) is an order NCCL can run;
 - the idle time measured on every stage matches the bubble formula when the stages are even.
 
 The reference is one process on the whole batch, with SGD: a gradient m times too large (or
@@ -14,8 +15,10 @@ The reference is one process on the whole batch, with SGD: a gradient m times to
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import itertools
 import time
 
@@ -33,8 +36,11 @@ from harness.hardware import needs_gpus
 from harness.launch import one_process_fit, run_script, start_script
 from harness.pipeline import (
     Deadlock,
+    Op,
     OrderMismatch,
     ScheduleError,
+    UnsafeOrder,
+    check_links,
     reference_schedule,
     simulate,
 )
@@ -262,6 +268,101 @@ def test_stage_runner_on_cuda(ex, group):
     results = run_on_ranks(hand_pipeline_run, "1f1b", 4, STEPS, world_size=world,
                            backend=backend, device=device)
     assert_trains_like_one_process(results, f"1f1b on {backend}/{device}", 4)
+
+
+P2P_FUNCTIONS = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
+
+
+@contextlib.contextmanager
+def recorded_posts():
+    """Record every point-to-point operation this rank posts, in order, as the simulator's
+    posts: a lone ``isend``/``irecv`` (or ``send``/``recv``) is a post of one operation, a
+    ``batch_isend_irecv`` one post of its operations. Patched in both torch.distributed and
+    distributed_c10d: a ``P2POp`` accepts only the functions that module holds."""
+    from torch.distributed import distributed_c10d
+
+    posted: list[tuple[Op, ...]] = []
+    real = {name: getattr(distributed_c10d, name) for name in P2P_FUNCTIONS}
+    inside = [False]  # within one of the patched functions
+
+    def lone(name):
+        kind = "send" if "send" in name else "recv"
+        signature = inspect.signature(real[name])
+
+        def post(*args, **kwargs):
+            if inside[0]:  # called by another of these (recv calls irecv): posted already
+                return real[name](*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            peer = next(bound[key] for key in ("dst", "src", "group_dst", "group_src")
+                        if bound.get(key) is not None)
+            posted.append((Op(kind, int(peer)),))
+            return call(real[name], *args, **kwargs)
+        return post
+
+    def batch(ops):
+        if not inside[0]:
+            posted.append(tuple(Op("send" if op.op is patched["isend"] else "recv",
+                                   int(op.peer)) for op in ops))
+        return call(real["batch_isend_irecv"], ops)
+
+    def call(function, *args, **kwargs):
+        inside[0] = True
+        try:
+            return function(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    patched = {name: lone(name) for name in P2P_FUNCTIONS[:-1]} | {"batch_isend_irecv": batch}
+    for module in (dist, distributed_c10d):
+        for name, function in patched.items():
+            setattr(module, name, function)
+    try:
+        yield posted
+    finally:
+        for module in (dist, distributed_c10d):
+            for name, function in real.items():
+                setattr(module, name, function)
+
+
+def posting_run(ctx, kind: str, m: int) -> list:
+    """One step of the learner's StageRunner on the tests' own schedule, recording what this
+    stage posts."""
+    ex = load_exercise(LESSON)
+    model = make_gpt()
+    stage = my_stage(model, ctx.rank, ctx.world_size)
+    shape = (BATCH // m, CONFIG["block_size"], CONFIG["n_embd"])
+    runner = ex.StageRunner(stage, ctx.rank, ctx.world_size, shape, loss_fn=next_token_loss,
+                            timeout=20.0)
+    inputs, targets = (list(t.chunk(m)) for t in batch(0))
+    with recorded_posts() as posted:
+        runner.step(reference_schedule(kind, ctx.world_size, m)[ctx.rank],
+                    inputs=inputs if ctx.rank == 0 else None,
+                    targets=targets if ctx.rank == ctx.world_size - 1 else None)
+    return posted
+
+
+POSTING_CASES = [(2, "1f1b", 4), (4, "1f1b", 8), (4, "gpipe", 4)]
+
+
+@pytest.mark.task7_2
+@pytest.mark.parametrize("world,kind,m", POSTING_CASES,
+                         ids=[f"p{w}-{k}-m{m}" for w, k, m in POSTING_CASES])
+def test_stage_runner_posts_an_order_nccl_can_run(ex, world, kind, m):
+    """gloo completes sends however they are posted; NCCL runs the operations between two
+    ranks in order. The runner's recorded posts go through the simulator's model of that."""
+    raise_if_untouched(ex.StageRunner.step)
+    posted = run_on_ranks(posting_run, kind, m, world_size=world)
+    for stage, mine in enumerate(posted):
+        sends = sum(op.kind == "send" for post in mine for op in post)
+        expected = m * ((stage < world - 1) + (stage > 0))
+        assert sends == expected, (
+            f"stage {stage} posted {sends} sends in one step of {kind} with {m} micro-batches; "
+            f"expected {expected}: one per micro-batch to each neighbour")
+    try:
+        check_links(posted)
+    except UnsafeOrder as error:
+        raise AssertionError(f"{kind}, {world} stages, {m} micro-batches: the runner passes on "
+                             f"gloo, but on NCCL it would hang: {error}") from None
 
 
 def mismatched_run(ctx):

@@ -20,9 +20,12 @@ This is how real stages behave when each blocks on a receive: a stage whose next
 for something that can never come is a deadlock, and ``simulate`` raises :class:`Deadlock`
 naming what every stuck stage waits for; a schedule whose neighbouring stages run their forwards
 (or backwards) in different orders raises :class:`OrderMismatch` (sends and receives of one tag
-pair up in the order they are posted, whatever micro-batch they carry). Communication is taken
-as free; a forward takes ``forward_time`` and a backward ``backward_time`` on every stage (even
-stages: the bubble formula's assumption).
+pair up in the order they are posted, whatever micro-batch they carry); and the sends and
+receives each stage posts must be an order NCCL can run (:func:`check_links`: between two
+ranks one post after another, a send complete only once its receive runs), else
+:class:`UnsafeOrder`. Communication is otherwise taken as free; a forward takes
+``forward_time`` and a backward ``backward_time`` on every stage (even stages: the bubble
+formula's assumption).
 
 The lesson's graded ``schedule()`` is checked with this module, which the tests own. It also
 draws the lesson's pictures of the two schedules:
@@ -56,6 +59,29 @@ class Deadlock(ScheduleError):
 class OrderMismatch(ScheduleError):
     """Two neighbouring stages pass micro-batches in different orders: a send and a receive
     pair up in the order they are posted, so a receive would get another micro-batch's data."""
+
+
+class UnsafeOrder(ScheduleError):
+    """Two neighbouring stages post their sends and receives in an order NCCL cannot run: each
+    waits for a send to finish whose receive is queued on the other behind a send of its own."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One point-to-point operation a stage posts: ``kind`` "send" or "recv", to or from
+    ``peer``; ``what`` names it in messages ("F1's activations")."""
+
+    kind: str
+    peer: int
+    what: str = ""
+
+    def __str__(self) -> str:
+        thing = f" {self.what}" if self.what else ""
+        return (f"send{thing} to stage {self.peer}" if self.kind == "send"
+                else f"receive{thing} from stage {self.peer}")
+
+
+Post = tuple[Op, ...]  # what a stage posts at once: one operation, or a batch of them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +211,17 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
 
 
 def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
-             forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
-    """When every action of ``schedule`` runs (see the module docstring for the rules)."""
+             forward_time: float = 1.0, backward_time: float = 2.0,
+             posting: str | None = "fused") -> Timeline:
+    """When every action of ``schedule`` runs (see the module docstring for the rules).
+
+    ``posting`` says how the stages post their sends and receives, which decides whether NCCL
+    can run them (:func:`check_links`): ``"fused"``, as the lesson's ``StageRunner`` does (a
+    send posted in one batch with the next action's receive from the same neighbour);
+    ``"separate"``, every operation on its own (raises :class:`UnsafeOrder` for 1F1B); ``None``
+    leaves communication out."""
+    if posting not in ("fused", "separate", None):
+        raise ValueError(f"posting must be 'fused', 'separate' or None, not {posting!r}")
     validate(schedule, num_micro_batches)
     stages = len(schedule)
     done: dict[tuple[int, str, int], float] = {}  # (stage, kind, micro-batch) -> end time
@@ -224,6 +259,8 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
                                  f"{kind}{m} from stage {source}")
             raise Deadlock("deadlock: " + "; ".join(waits))
     check_order(schedule)
+    if posting is not None:
+        check_links(posts(schedule, fused=posting == "fused"))
     return Timeline(tuple(slots), stages, num_micro_batches)
 
 
@@ -243,6 +280,98 @@ def check_order(schedule: Sequence[Sequence[Action]]) -> None:
                     f"receives them in the order {received}: a send and a receive pair up in "
                     f"the order they are posted, so both stages must run their {kind}s in the "
                     f"same order")
+
+
+def posts(schedule: Sequence[Sequence[Action]], fused: bool = True) -> list[list[Post]]:
+    """What each stage posts, in order, running its actions as the lesson's ``StageRunner``:
+    an action's receive at its start (``("F", m)`` from the stage before, ``("B", m)`` from
+    the stage after), its send at its end (the other way). ``fused``: a send is held back to
+    the next action and posted in one batch with that action's receive when it comes from the
+    same neighbour, else alone before it; otherwise every operation is posted alone."""
+    last = len(schedule) - 1
+    posted: list[list[Post]] = []
+    for stage, actions in enumerate(schedule):
+        mine: list[Post] = []
+        held: Op | None = None
+        for kind, m in actions:
+            receive = (Op("recv", stage - 1, f"F{m}'s activations") if kind == "F" and stage > 0
+                       else Op("recv", stage + 1, f"B{m}'s gradient") if kind == "B"
+                       and stage < last else None)
+            if held is not None and (not fused or receive is None or receive.peer != held.peer):
+                mine.append((held,))
+                held = None
+            if receive is not None:
+                mine.append((held, receive) if held is not None else (receive,))
+                held = None
+            send = (Op("send", stage + 1, f"F{m}'s activations") if kind == "F" and stage < last
+                    else Op("send", stage - 1, f"B{m}'s gradient") if kind == "B" and stage > 0
+                    else None)
+            held = send
+        if held is not None:
+            mine.append((held,))
+        posted.append(mine)
+    return posted
+
+
+def check_links(posted: Sequence[Sequence[Post]]) -> None:
+    """Raise :class:`UnsafeOrder` unless every pair of stages can complete what they post to
+    each other, as NCCL runs point-to-point operations: those between two ranks one post after
+    another, in the order they are posted (the operations of one post together), and a send
+    complete only once its receive runs (a message larger than NCCL's buffer). The k-th send
+    from a stage to another pairs with the other's k-th receive from it.
+
+    ``posted[s]`` is stage s's posts in order (:func:`posts` derives them from a schedule; a
+    test can record them from a real runner)."""
+    pairs = {tuple(sorted((stage, op.peer))) for stage, mine in enumerate(posted)
+             for post in mine for op in post}
+    for a, b in sorted(pairs):
+        queues = {}
+        for me, peer in ((a, b), (b, a)):
+            counts = {"send": 0, "recv": 0}
+            queue = []
+            for post in posted[me] if me < len(posted) else ():
+                ops = []
+                for op in post:
+                    if op.peer != peer:
+                        continue
+                    sender, receiver = (me, peer) if op.kind == "send" else (peer, me)
+                    ops.append(((sender, receiver, counts[op.kind]), op))
+                    counts[op.kind] += 1
+                if ops:
+                    queue.append(ops)
+            queues[me] = queue
+        heads = {me: 0 for me in (a, b)}
+        active = {me: dict(queues[me][0]) if queues[me] else {} for me in (a, b)}
+        while active[a] or active[b]:
+            common = active[a].keys() & active[b].keys()
+            if not common:
+                _refuse(a, b, active, queues, heads)
+            for side in (a, b):
+                for key in common:
+                    del active[side][key]
+                while not active[side] and heads[side] + 1 < len(queues[side]):
+                    heads[side] += 1
+                    active[side] = dict(queues[side][heads[side]])
+                if not active[side]:
+                    heads[side] = len(queues[side])
+
+
+def _refuse(a: int, b: int, active: dict, queues: dict, heads: dict) -> None:
+    def waiting(side: int) -> str:
+        ops = " and ".join(str(op) for op in active[side].values())
+        later = [str(op) for post in queues[side][heads[side] + 1:] for _, op in post]
+        return f"stage {side} posts {ops}" + (f", and only after it {later[0]}" if later else "")
+
+    if not active[a] or not active[b]:
+        side = a if active[a] else b
+        raise UnsafeOrder(f"{waiting(side)}, which stage {b if side == a else a} never posts "
+                          f"the other half of")
+    raise UnsafeOrder(
+        f"{waiting(a)}; {waiting(b)}. On NCCL the operations between two ranks run one after "
+        f"another and a send completes only once its receive runs: each stage's send waits for "
+        f"a receive queued behind the other's send, a deadlock once the tensors outgrow NCCL's "
+        f"buffer. Post a send in one batch with the next receive from the same neighbour "
+        f"(dist.batch_isend_irecv), as torch's Schedule1F1B does")
 
 
 PICTURES_DIR = Path(__file__).resolve().parents[2] / "docs" / "assets" / "pipeline"

@@ -98,11 +98,22 @@ class StageRunner:
       of its output from stage + 1 and runs ``output.backward(gradient)``. Any stage but the
       first then sends the gradient of its input to stage - 1. Free what was kept for i.
 
-    Sends are ``dist.isend`` (keep the returned work, and wait for all of them before ``step``
-    returns: a send's tensor must stay alive until it is received); receives are ``dist.irecv``
-    followed by ``work.wait(datetime.timedelta(seconds=self.timeout))``. A receive that times out
-    raises ``TimeoutError`` naming this stage, the action, and the stage it waited for: a
-    mismatched schedule then ends with a message, not a hang.
+    Sends and receives are point-to-point operations, posted so that they are safe on NCCL,
+    which runs the operations between two ranks one after another, in the order they are
+    posted, and completes a send larger than its buffer only once the receive runs. In 1F1B's
+    steady state stage s sends F(i)'s output to s + 1 and then waits for B(j)'s gradient from
+    s + 1, while s + 1 sends B(j)'s gradient and then waits for F(i)'s input: posted one by
+    one, each send would wait for a receive queued behind the other's send. So an action's
+    send is held back until the next action: if that action receives from the same neighbour,
+    post the send and the receive together, ``dist.batch_isend_irecv([send, receive])`` (one
+    batch: the order inside it does not matter, as torch's ``Schedule1F1B`` does); otherwise
+    post the send alone (``dist.isend``) before the next action. A receive with no send to fuse
+    is ``dist.irecv``. Wait for each receive (with its batch) with
+    ``work.wait(datetime.timedelta(seconds=self.timeout))``; a receive that times out raises
+    ``TimeoutError`` naming this stage, the action, and the stage it waited for: a mismatched
+    schedule then ends with a message, not a hang. Keep the works of the sends posted alone
+    and wait for all of them before ``step`` returns (a send's tensor must stay alive until it
+    is received), posting first a send still held back after the last action.
 
     Also records ``self.timeline``: one ``(kind, i, start, end)`` per action, ``time.perf_counter``
     seconds around its computation only (not its receives). Returns the last stage's m losses as
@@ -110,8 +121,9 @@ class StageRunner:
     Gradients accumulate in the module's parameters; the caller steps the optimizer.
 
     The test trains 2 and 4 stages of the running example with both schedules and several
-    micro-batch counts against the unsplit model, gives two stages mismatched schedules, and
-    measures the bubble from every stage's timeline.
+    micro-batch counts against the unsplit model, records the operations each stage posts and
+    runs them through the simulator's model of NCCL's links, gives two stages mismatched
+    schedules, and measures the bubble from every stage's timeline.
     """
 
     def __init__(self, module: nn.Module, stage: int, num_stages: int,
@@ -123,11 +135,16 @@ class StageRunner:
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.timeline: list[tuple[str, int, float, float]] = []
 
-    def _receive(self, source: int, what: str) -> torch.Tensor:
+    def _receive(self, source: int, what: str, send: dist.P2POp | None = None) -> torch.Tensor:
+        """Receive from ``source``, posted in one batch with ``send`` when there is one."""
         buffer = torch.empty(self.activation_shape, device=self.device)
-        work = dist.irecv(buffer, src=source)
+        if send is None:
+            works = [dist.irecv(buffer, src=source)]
+        else:  # one batch: neither waits behind the other on the link (NCCL)
+            works = dist.batch_isend_irecv([send, dist.P2POp(dist.irecv, buffer, source)])
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
+            for work in works:
+                work.wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as error:
             raise TimeoutError(f"stage {self.stage}: no {what} from stage {source} within "
                                f"{self.timeout:g} s; do the stages run matching schedules? "
@@ -137,14 +154,21 @@ class StageRunner:
     def step(self, actions, inputs=None, targets=None) -> list[float]:
         m = sum(kind == "F" for kind, _ in actions)
         kept, sends, losses = {}, [], {}
+        held: dist.P2POp | None = None  # the last action's send, not posted yet
         self.timeline = []
         for kind, i in actions:
+            source = (self.stage - 1 if kind == "F" and not self.first
+                      else self.stage + 1 if kind == "B" and not self.last else None)
+            if held is not None and held.peer != source:  # nothing to fuse it with
+                sends.append(dist.isend(held.tensor, dst=held.peer))
+                held = None
             if kind == "F":
                 if self.first:
                     x = inputs[i]
                 else:
-                    x = self._receive(self.stage - 1, f"input of micro-batch {i} (F{i})")
+                    x = self._receive(source, f"input of micro-batch {i} (F{i})", held)
                     x.requires_grad_(True)
+                held = None
                 start = time.perf_counter()
                 out = self.module(x)
                 if self.last:
@@ -152,17 +176,20 @@ class StageRunner:
                     losses[i] = out.item() * m
                 self.timeline.append(("F", i, start, time.perf_counter()))
                 if not self.last:
-                    sends.append(dist.isend(out.detach(), dst=self.stage + 1))
+                    held = dist.P2POp(dist.isend, out.detach(), self.stage + 1)
                 kept[i] = (x, out)
             else:
                 x, out = kept.pop(i)
                 grad = None if self.last else self._receive(
-                    self.stage + 1, f"gradient of micro-batch {i} (B{i})")
+                    source, f"gradient of micro-batch {i} (B{i})", held)
+                held = None
                 start = time.perf_counter()
                 out.backward(grad)
                 self.timeline.append(("B", i, start, time.perf_counter()))
                 if not self.first:
-                    sends.append(dist.isend(x.grad, dst=self.stage - 1))
+                    held = dist.P2POp(dist.isend, x.grad, self.stage - 1)
+        if held is not None:
+            sends.append(dist.isend(held.tensor, dst=held.peer))
         for work in sends:
             work.wait()
         return [losses[i] for i in sorted(losses)]
