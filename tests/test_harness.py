@@ -293,6 +293,21 @@ def test_torchrun_launches_use_the_console_script_a_learner_types():
     assert LAUNCHERS["torchrun"][0] == expected
 
 
+def test_a_shell_script_finds_this_interpreters_torchrun_and_python_unactivated(
+        tmp_path, monkeypatch):
+    """``pytest`` run as ``.venv/bin/python -m pytest`` without activating the venv: a batch
+    script that calls ``torchrun`` and ``python`` by name must still get the venv's."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no venv on it
+    script = tmp_path / "which.sh"
+    script.write_text("command -v python; command -v torchrun || echo missing\n")
+    run = start_script(script, launcher="bash", result=False).result()
+    here = Path(sys.executable).parent
+    found = run.output.split()
+    assert found[0] == str(here / "python"), run.output
+    if (here / "torchrun").is_file():
+        assert found[1] == str(here / "torchrun"), run.output
+
+
 def test_a_wrong_answer_replaces_functions_and_only_the_methods_it_defines():
     from harness.selfcheck import with_wrong_answer
 

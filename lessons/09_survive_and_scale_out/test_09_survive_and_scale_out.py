@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from harness.compare import assert_parameters_close
 from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import free_port, start_nodes, start_script
+from harness.launch import free_port, path_with, start_nodes, start_script
 from harness.ranks import run_on_ranks
 
 LESSON = "09_survive_and_scale_out"
@@ -738,7 +738,7 @@ def launches(tmp_path_factory):
     # task per emulated node (hosts 127.0.0.1 and 127.0.0.2), each a torchrun of one process.
     runs["two nodes"] = start_script(
         SBATCH, *common[:-2], launcher="bash", timeout=90,
-        env={"PATH": f"{REPO_ROOT / SBATCH.rsplit('/', 1)[0]}:{os.environ['PATH']}",
+        env={"PATH": path_with(REPO_ROOT / SBATCH.rsplit("/", 1)[0]),
              "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4242", "SAVE_EVERY": "3",
              "CHECKPOINTS": str(tmp_path_factory.mktemp("slurm")), "FAKE_SLURM_NODES": "2"})
     yield {"runs": runs, "folders": folders}
@@ -789,6 +789,30 @@ def test_a_slurm_job_of_two_nodes_trains_what_one_node_trains(launches, uninterr
     assert run.data["world_size"] == 2
     assert run.data["params_sha256"] == uninterrupted, (
         "two nodes of one process each trained other weights than one node of two processes")
+
+
+@pytest.mark.slow
+def test_the_batch_script_starts_one_torchrun_per_node_and_shares_out_the_cpus(tmp_path):
+    """The batch script as a cluster runs it, with stand-ins for srun and torchrun: what every
+    node's torchrun is given, and the threads of each of its processes."""
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/usr/bin/env bash\necho "node $SLURM_NODEID: OMP_NUM_THREADS='
+                    '$OMP_NUM_THREADS torchrun $*"\n')
+    fake.chmod(0o755)
+    run = start_script(SBATCH, "--epochs", "1", launcher="bash", result=False, timeout=60,
+                       env={"PATH": path_with(tmp_path, REPO_ROOT / SBATCH.rsplit("/", 1)[0]),
+                            "OMP_NUM_THREADS": "", "SLURM_CPUS_PER_TASK": "16",
+                            "SLURM_GPUS_ON_NODE": "4", "SLURM_JOB_ID": "4242",
+                            "FAKE_SLURM_NODES": "2"}).result()
+    lines = sorted(line for line in run.output.splitlines() if line.startswith("node "))
+    assert len(lines) == 2, run.output
+    for node, line in enumerate(lines):
+        assert line.startswith(f"node {node}: OMP_NUM_THREADS=4 torchrun --nnodes=2 "
+                               f"--nproc-per-node=4 --rdzv-id=4242 --rdzv-backend=c10d "
+                               f"--rdzv-endpoint=127.0.0.1:24242 --max-restarts=2 "), (
+            f"16 CPUs for 4 processes per node: 4 threads each, and the node's torchrun "
+            f"arguments: {line}")
+        assert line.endswith("--save-every 50 --epochs 1"), line
 
 
 def dcp_save_on_rank(ctx, folder: str) -> dict:

@@ -85,6 +85,14 @@ LAUNCHERS = {
 }
 
 
+def path_with(*folders: str | os.PathLike) -> str:
+    """``PATH`` for a shell script a test runs (a batch script calls ``torchrun`` and
+    ``python`` by name): ``folders`` first, then this interpreter's folder, whose ``torchrun``
+    and ``python`` are the venv's whether or not it was activated, then the caller's ``PATH``."""
+    here = str(Path(sys.executable).parent)  # not resolved: a venv's python is a link
+    return os.pathsep.join([*map(str, folders), here, os.environ.get("PATH", "")])
+
+
 def free_port() -> int:
     """A port the OS says is free now, for a rendezvous several launches must share (the
     caller's launches bind it right after; a single launch uses --standalone instead)."""
@@ -170,7 +178,7 @@ class Launch:
         self._deadline = time.monotonic() + timeout
         self._log = open(Path(self._tmp.name) / "output.txt", "w+")  # a pipe could fill up
         child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                     **(env or {})}
+                     **({"PATH": path_with()} if launcher == "bash" else {}), **(env or {})}
         self._proc = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env, stdout=self._log,
                                       stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True)
