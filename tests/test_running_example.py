@@ -279,3 +279,12 @@ def test_stages_chained_are_the_model_and_share_its_modules(tiny, cut):
 def test_a_stage_must_be_a_run_of_the_models_blocks(tiny, start, end):
     with pytest.raises(ValueError, match="not a stage of a model of 4 blocks"):
         GPTStage(GPT(tiny), start, end)
+
+
+def test_the_parameter_counts_lesson_07_quotes(tiny):
+    """07 README, balancing the stages: "the embeddings hold 2,976 parameters, a quarter of one
+    block's 12,704"."""
+    model = GPT(tiny)
+    count = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    assert count(model.tok_emb, model.pos_emb) == 2976
+    assert count(model.blocks[0]) == 12704

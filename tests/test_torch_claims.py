@@ -167,6 +167,36 @@ def test_fully_shard_leaves_resharding_to_fsdp_and_mixed_precision_off_by_defaul
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (None, None, None)
 
 
+def fully_shard_an_embedding_of_61_rows(ctx) -> tuple:
+    from torch.distributed.fsdp import fully_shard
+
+    embedding = nn.Embedding(61, 8)
+    fully_shard(embedding)
+    local = embedding.weight.to_local()
+    return local.shape[0], local.untyped_storage().nbytes()
+
+
+def test_fsdp2_pads_every_ranks_shard_to_the_largest():
+    """05 README, the script's report: "the 61 rows ... split 31/30. The memory FSDP2 allocates
+    for a parameter is the same on every rank: it pads each shard to the largest"."""
+    (rows0, bytes0), (rows1, bytes1) = run_on_ranks(fully_shard_an_embedding_of_61_rows,
+                                                    world_size=2)
+    assert (rows0, rows1) == (31, 30)
+    assert bytes0 == bytes1 == 31 * 8 * 4
+
+
+def test_dtensor_random_ops_are_coordinated_on_cuda_like_devices_only():
+    """06 README, dropout: DTensor's `OffsetBasedRNGTracker` "moves each shard's generator to
+    its offset in a common stream", and "its docstring says the random APIs support
+    "cuda/cuda-like devices" only"."""
+    from torch.distributed.tensor import _random
+
+    assert hasattr(_random, "OffsetBasedRNGTracker")
+    assert hasattr(_random.OffsetBasedRNGTracker, "_set_pre_op_offset")
+    doc = " ".join(inspect.getdoc(_random.is_rng_supported_mesh).split())
+    assert "cuda/cuda-like devices" in doc
+
+
 def test_the_collectives_renamed_in_torch_2_13_and_the_old_names_warn():
     """05 README: "torch 2.13 renamed `all_gather_into_tensor` and `reduce_scatter_tensor` to
     `all_gather_single` and `reduce_scatter_single` and made the old names warn. torch 2.11 and
@@ -220,32 +250,94 @@ def test_ddp_buckets_are_another_copy_of_the_gradients_unless_the_gradients_are_
 
 
 
-def ddp_buckets_before_and_after_a_step(ctx) -> dict:
-    model = DDP(nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]))
+def ddp_buckets_before_and_after_a_step(ctx, **options) -> dict:
+    model = DDP(nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]), **options)
     sizes = lambda: [b.buffer().numel() * 4 for b in model.reducer._get_zeros_like_grad_buckets()]
     before = sizes()
-    for _ in range(2):
+    for _ in range(3):  # rebuilt before the second step's forward (static_graph: the third)
         model(torch.randn(2, 512)).sum().backward()
-    params = list(model.parameters())[::-1]
-    assigned = dist._compute_bucket_assignment_by_size(
-        params, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024])[0]
-    return {"before": before, "after": sizes(),
-            "reversed": [sum(params[i].numel() * 4 for i in b) for b in assigned]}
+    return {"before": before, "after": sizes()}
 
 
-def test_ddp_first_bucket_is_1_mib_the_rest_25_and_buckets_are_built_after_the_first_step():
-    """08 README: "It starts with one bucket for everything and, after the first step, builds
-    its buckets in the order the gradients arrived ... the first bucket's limit is 1 MiB
-    (`dist._DEFAULT_FIRST_BUCKET_BYTES`) and every later one's is 25 MiB"."""
-    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024
+def by_size(limits: list[int], last_first: bool = True) -> list[int]:
+    """The bytes of each bucket of the 8 layers' parameters cut at ``limits``: taken last
+    first (the order their gradients arrive), or in their own order, the buckets then listed
+    last first (as DDP hands its first assignment to the reducer)."""
+    params = list(nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).parameters())
+    order = params[::-1] if last_first else params
+    buckets = [sum(order[i].numel() * 4 for i in b)
+               for b in dist._compute_bucket_assignment_by_size(order, limits)[0]]
+    return buckets if last_first else buckets[::-1]
+
+
+MIB = 1024 * 1024
+WHOLE = 8 * (512 * 512 + 512) * 4  # 8.0 MiB of gradients
+
+
+@pytest.mark.parametrize("options,before,after", [
+    ({}, [WHOLE], by_size([MIB, 25 * MIB])),
+    ({"bucket_cap_mb": 25}, [WHOLE], by_size([25 * MIB])),
+    ({"bucket_cap_mb": 1000}, [WHOLE], [WHOLE]),
+    ({"static_graph": True}, [WHOLE], by_size([MIB, 25 * MIB])),
+    ({"find_unused_parameters": True}, by_size([MIB, 25 * MIB], last_first=False),
+     by_size([MIB, 25 * MIB], last_first=False)),
+], ids=["unset", "25-given", "1000", "static", "find-unused"])
+def test_ddp_buckets_first_one_then_by_size_with_a_small_first_only_by_default(
+        options, before, after):
+    """08 README: "By default (and with `static_graph=True`) it puts every gradient in one
+    bucket for the first step ... and then rebuilds its buckets in the order the gradients
+    arrived", "With `find_unused_parameters=True` it cuts its buckets by size once, at
+    construction, from the parameters in their own order, and never rebuilds them", and "the
+    first bucket's limit is 1 MiB (`dist._DEFAULT_FIRST_BUCKET_BYTES`) and every later one's
+    25 MiB, when `bucket_cap_mb` is left unset. Given a cap, even 25, every bucket's limit is
+    that cap"."""
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == MIB
     cap = inspect.signature(DDP).parameters["bucket_cap_mb"].default
     from torch.nn.parallel import distributed
 
     assert (cap or getattr(distributed, "_DEFAULT_BUCKET_CAP_MB", None)) == 25
-    got = run_on_ranks(ddp_buckets_before_and_after_a_step, world_size=2)[0]
-    total = 8 * (512 * 512 + 512) * 4
-    assert got["before"] == [total], got["before"]
-    assert got["after"] == got["reversed"] and len(got["after"]) == 2, got
+    got = run_on_ranks(ddp_buckets_before_and_after_a_step, world_size=2, **options)[0]
+    assert got == {"before": before, "after": after}, got
+    assert len(by_size([MIB, 25 * MIB])) == 2 and len(by_size([25 * MIB])) == 1
+
+
+def ddp_bucket_launch_order(ctx) -> list[int]:
+    """Two layers used in reverse: the first-defined layer's gradient is ready first, but sits
+    in the last bucket (buckets follow the parameters reversed until DDP rebuilds them, and
+    find_unused_parameters keeps that). The order the comm hook sees the buckets in."""
+    first, second = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    class Reversed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = first, second
+
+        def forward(self, x):
+            return self.first(self.second(x))
+
+    model = DDP(Reversed(), bucket_cap_mb=0.1, find_unused_parameters=True)
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.index())
+        return default_allreduce(bucket)
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def default_allreduce(bucket):
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, hook)
+    model(torch.randn(2, 256)).sum().backward()
+    return seen
+
+
+def test_ddp_launches_its_buckets_strictly_in_order():
+    """08 README: "Buckets are all-reduced strictly in order: a bucket whose gradients are all
+    ready waits for the buckets before it"."""
+    seen = run_on_ranks(ddp_bucket_launch_order, world_size=2)[0]
+    assert seen == sorted(seen) and len(seen) >= 2, seen
+
 
 # ----------------------------------------------------------------------------- lesson 06, DTensor
 
@@ -494,6 +586,50 @@ def test_schedule_1f1b_posts_a_send_in_one_batch_with_the_neighbours_receive():
     assert "fwd_sends + bwd_recvs" in source and "bwd_sends + fwd_recvs" in source
 
 
+def test_bf16_and_fp16_mantissas_and_ranges():
+    """08 README: bf16 "stores 7 mantissa bits (8 significant bits with the implicit leading
+    one: a relative rounding error of up to 2⁻⁸, 0.4 %)" with fp32's exponent range; fp16
+    "stores 10 mantissa bits" and "its largest number is 65504, bf16's about 3.4 × 10³⁸"."""
+    bf16, fp16, fp32 = (torch.finfo(t) for t in (torch.bfloat16, torch.float16, torch.float32))
+    assert bf16.eps == 2.0**-7 and fp16.eps == 2.0**-10  # eps = 2^-(stored mantissa bits)
+    assert bf16.max == pytest.approx(3.39e38, rel=1e-2) and fp16.max == 65504
+    assert bf16.tiny == fp32.tiny  # the same exponent range as fp32
+    one_and_a_bit = torch.tensor(1 + 2.0**-8 + 2.0**-12)  # just over half an ulp above 1
+    assert float(one_and_a_bit.to(torch.bfloat16)) == 1 + 2.0**-7  # rounds up one ulp
+    assert float(torch.tensor(1 + 2.0**-9).to(torch.bfloat16)) == 1.0  # error below 2^-8
+
+
+def ddp_with_a_hook_that_returns_bf16(ctx) -> dict:
+    def bf16_result(state, bucket):  # the all-reduced bf16 tensor itself, never copied back
+        compressed = bucket.buffer().to(torch.bfloat16).div_(ctx.world_size)
+        return dist.all_reduce(compressed, async_op=True).get_future().then(
+            lambda done: done.value()[0])
+
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(8, 8))
+    model.register_comm_hook(None, bf16_result)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
+    model(x).sum().backward()
+    mine = nn.Linear(8, 8)
+    mine.load_state_dict(model.module.state_dict())
+    mine(x).sum().backward()
+    return {"grad": model.module.weight.grad, "mine": mine.weight.grad}
+
+
+def test_ddp_copies_a_hooks_bf16_result_into_the_fp32_gradients():
+    """08 README, task8_3: "DDP would accept the bf16 result itself (it copies the future's
+    value into the gradients, casting)"; and torch's own hook copies into the buffer "to reduce
+    the peak memory"."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ranks = run_on_ranks(ddp_with_a_hook_that_returns_bf16, world_size=2)
+    mean = sum(r["mine"] for r in ranks) / 2
+    for got in ranks:
+        assert got["grad"].dtype == torch.float32
+        torch.testing.assert_close(got["grad"], mean, rtol=1e-2, atol=1e-2)
+    assert "Decompress in place to reduce the peak memory" in inspect.getsource(default_hooks)
+
+
 def test_ddp_refuses_a_hook_named_like_torchs_bf16_hook_without_cuda_and_nccl():
     """08 README, hint for task 8_3: "a hook named `bf16_compress_hook`, the name of torch's own,
     is refused on torch builds without CUDA and NCCL" (and ddp_costs.py renames it for that)."""
@@ -695,6 +831,29 @@ def test_set_rng_state_takes_a_cpu_byte_tensor_only():
         with pytest.raises((TypeError, RuntimeError)):
             torch.set_rng_state(moved)
     torch.set_rng_state(state)
+
+
+def test_nccls_watchdog_names_the_collective_and_the_flight_recorder_reads_its_buffer():
+    """09 README, finding a hang: the watchdog logs "Watchdog caught collective operation
+    timeout: WorkNCCL(SeqNum=..., OpType=..., NumelIn=..., ...)" and "To avoid data
+    inconsistency, we are taking the entire process down"; `TORCH_FR_BUFFER_SIZE`
+    (`TORCH_NCCL_TRACE_BUFFER_SIZE` in older releases); `torch.distributed.flight_recorder.
+    fr_trace` is torch's analyser."""
+    import mmap
+    from pathlib import Path
+
+    from torch.distributed.flight_recorder import fr_trace
+
+    assert callable(fr_trace.main)
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
+    if not library.is_file():
+        pytest.skip("this torch is a CPU build: no NCCL process group to ask")
+    with library.open("rb") as handle, mmap.mmap(handle.fileno(), 0,
+                                                  access=mmap.ACCESS_READ) as data:
+        for text in (b"Watchdog caught collective operation timeout", b"SeqNum=", b"OpType=",
+                     b"NumelIn=", b"To avoid data inconsistency, we are taking the entire "
+                     b"process down", b"TORCH_FR_BUFFER_SIZE", b"TORCH_NCCL_TRACE_BUFFER_SIZE"):
+            assert data.find(text) != -1, text
 
 
 def test_monitored_barrier_is_for_gloo_and_detail_wraps_new_groups():

@@ -115,8 +115,10 @@ assert run.returncode == 0, run.stderr
 
 # %% [markdown]
 # Each rank stores half of the parameters, half of the gradients and half of AdamW's state:
-# 447 kB instead of DDP's 893 kB. The two ranks differ by about a kilobyte: FSDP2 cuts each
-# parameter along its first dimension, and the 61 rows of the embedding and of the head (one
-# per character) do not split evenly in two: rank 0 gets 31 of them, rank 1 gets 30. The
+# 447 kB instead of DDP's 893 kB. The two ranks' numbers differ by about a kilobyte: FSDP2
+# cuts each parameter along its first dimension, and the 61 rows of the embedding and of the
+# head (one per character) do not split evenly in two: rank 0's shard has 31 of them, rank 1's
+# 30. That is the logical shard the script counts; the storage FSDP2 allocates is padded to 31
+# rows on both ranks. The
 # lesson's text shows how this script differs from lesson 03's (the diff is short), and the
 # exercises build ZeRO stages 1 to 3 by hand.

@@ -5,7 +5,8 @@
 
 In the style of the standard NCCL benchmarks (nccl-tests): each collective runs on every size
 from ``--min-bytes`` to ``--max-bytes`` (times 4 each row), a few untimed warm-up calls first,
-then ``--iters`` timed calls back to back; a row's time is the slowest rank's mean. The bus
+then ``--repeats`` loops of ``--iters`` timed calls back to back; a row's time is the median
+loop's mean, on the slowest rank. The bus
 bandwidth multiplies the algorithm bandwidth (payload / time) by what a rank of a ring sends per
 byte of payload, 2 (W - 1) / W for an all-reduce, so that it can be compared with the link's
 own speed. At the end, a straight line fitted to the all-reduce times gives the link's latency
@@ -90,8 +91,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_collective(op: str, num_bytes: int, device: torch.device, iters: int = 5,
-                    warmup: int = 2, dtype: torch.dtype = torch.float32) -> float:
-    """Seconds one ``op`` of a ``num_bytes`` payload takes: the slowest rank's mean."""
+                    warmup: int = 2, dtype: torch.dtype = torch.float32,
+                    repeats: int = 5) -> float:
+    """Seconds one ``op`` of a ``num_bytes`` payload takes: the slowest rank's mean of
+    ``iters`` calls back to back, and of ``repeats`` such loops the median (a loop that a
+    busy machine interrupted is one of five, not a fifth of every row)."""
     world = dist.get_world_size()
     numel = max(world, num_bytes // torch.tensor([], dtype=dtype).element_size())
     numel -= numel % world  # a payload that splits evenly into the ranks' pieces
@@ -99,25 +103,29 @@ def time_collective(op: str, num_bytes: int, device: torch.device, iters: int = 
     piece = torch.ones(numel // world, dtype=dtype, device=device)
     for _ in range(warmup):
         _call(op, payload, piece)
-    synchronize(device)
-    dist.barrier()
-    began = time.perf_counter()
-    for _ in range(iters):
-        _call(op, payload, piece)
-    synchronize(device)
-    elapsed = torch.tensor([(time.perf_counter() - began) / iters], dtype=torch.float64,
-                           device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    loops = []
+    for _ in range(repeats):
+        synchronize(device)
+        dist.barrier()
+        began = time.perf_counter()
+        for _ in range(iters):
+            _call(op, payload, piece)
+        synchronize(device)
+        loops.append((time.perf_counter() - began) / iters)
+    slowest = torch.tensor(loops, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.median())
 
 
 def fit_alpha_beta(sizes: list[int], seconds: list[float], world_size: int) -> tuple[float, float]:
-    """The ring model's (alpha, beta) from all-reduce times: a least-squares line t = a + b n,
-    then alpha = a / (2 (W - 1)) and beta = b / (2 (W - 1) / W)."""
+    """The ring model's (alpha, beta) from all-reduce times: a line t = a + b n fitted to the
+    relative errors (least squares weighted by 1 / t**2, so that the large times do not drown
+    the latency the small ones measure), then alpha = a / (2 (W - 1)) and
+    beta = b / (2 (W - 1) / W)."""
     n = torch.tensor(sizes, dtype=torch.float64)
     t = torch.tensor(seconds, dtype=torch.float64)
-    b = ((n - n.mean()) * (t - t.mean())).sum() / ((n - n.mean()) ** 2).sum()
-    a = t.mean() - b * n.mean()
+    design = torch.stack([1 / t, n / t], dim=1)
+    a, b = torch.linalg.lstsq(design, torch.ones_like(t)[:, None]).solution[:, 0]
     steps = 2 * (world_size - 1)
     return float(a) / steps, float(b) / (steps / world_size)
 
@@ -150,7 +158,7 @@ def plot_collectives(rows: list[dict], path: Path, title: str) -> None:
                label="2(W-1)α + 2(W-1)/W·n·β")
     right.set(xscale="log", yscale="log", xlabel="payload (bytes)", ylabel="all-reduce (ms)")
     right.legend()
-    figure.suptitle(title, fontsize=9)
+    figure.suptitle(title, fontsize=11)
     figure.tight_layout()
     figure.savefig(path, format="svg", metadata={"Date": None})  # no date: the file is stable
     plt.close(figure)
@@ -169,7 +177,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ", ".join(OPS))
     parser.add_argument("--min-bytes", type=int, default=1024)
     parser.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=5, help="calls timed back to back")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed loops of --iters calls per row: the row is their median")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--csv", type=Path, help="write every row here")
@@ -178,9 +188,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = sorted(set(ops) - set(OPS))
-    if unknown or not 0 < args.min_bytes <= args.max_bytes or args.iters < 1:
+    if (unknown or not 0 < args.min_bytes <= args.max_bytes or args.iters < 1
+            or args.repeats < 1):
         print(f"error: ops must be among {', '.join(OPS)} (got {unknown or ops}), and "
-              f"0 < --min-bytes <= --max-bytes, --iters >= 1", file=sys.stderr)
+              f"0 < --min-bytes <= --max-bytes, --iters >= 1, --repeats >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     rank, world, device = start(args.backend)
@@ -193,12 +204,13 @@ def main(argv=None) -> int:
     backend = dist.get_backend()
     rows = []
     if rank == 0:
-        print(f"{backend}, {world} ranks, {device.type}; time = the slowest rank's mean of "
-              f"{args.iters}")
+        print(f"{backend}, {world} ranks, {device.type}; time = the median of {args.repeats} "
+              f"loops of the slowest rank's mean of {args.iters}")
         print(f"{'op':>15} {'bytes':>10} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}")
     for op in ops:
         for size in sizes_between(args.min_bytes, args.max_bytes):
-            seconds = time_collective(op, size, device, args.iters, args.warmup)
+            seconds = time_collective(op, size, device, args.iters, args.warmup,
+                                      repeats=args.repeats)
             algbw = size / seconds / 1e9
             rows.append({"op": op, "backend": backend, "world_size": world, "bytes": size,
                          "seconds": seconds, "algbw_GBps": algbw,

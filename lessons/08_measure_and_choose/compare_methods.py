@@ -307,14 +307,17 @@ def plot_methods(rows: list[dict], path: Path, title: str) -> None:
 
     firsts = [r for r in rows if r["rank"] == 0]
     names = [r["method"] for r in firsts]
-    figure, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    # Two by two, so that each panel keeps a readable size at a page's width.
+    plt.rcParams.update({"font.size": 11})
+    figure, grid = plt.subplots(2, 2, figsize=(10, 7.5))
+    axes = grid.reshape(-1)
     axes[0].bar(names, [r["samples_per_s"] for r in firsts])
     axes[0].set(ylabel="samples / s", title="throughput")
     axes[1].bar(names, [r["compute_ms"] for r in firsts], label="computation")
     axes[1].bar(names, [r["exposed_comm_ms"] for r in firsts],
                 bottom=[r["compute_ms"] for r in firsts], label="exposed communication")
     axes[1].set(ylabel="ms per step", title="where a step's time goes")
-    axes[1].legend(fontsize=8)
+    axes[1].legend(fontsize=10)
     width = 0.4
     xs = range(len(names))
     axes[2].bar([x - width / 2 for x in xs], [r["state_bytes"] / 2**20 for r in firsts], width,
@@ -323,17 +326,17 @@ def plot_methods(rows: list[dict], path: Path, title: str) -> None:
                 width, label="16 B / parameter")
     axes[2].set(ylabel="MiB on rank 0", title="training state per rank")
     axes[2].set_xticks(list(xs), names)
-    axes[2].legend(fontsize=8)
+    axes[2].legend(fontsize=10)
     axes[3].bar([x - width / 2 for x in xs], [r["comm_bytes"] / 2**20 for r in firsts], width,
                 label="counted")
     axes[3].bar([x + width / 2 for x in xs], [r["predicted_comm_bytes"] / 2**20 for r in firsts],
                 width, label="the lessons' formulas")
     axes[3].set(ylabel="MiB sent by rank 0", title="payload per step")
     axes[3].set_xticks(list(xs), names)
-    axes[3].legend(fontsize=8)
+    axes[3].legend(fontsize=10)
     for axis in axes:
-        axis.tick_params(axis="x", labelrotation=20, labelsize=8)
-    figure.suptitle(title, fontsize=9)
+        axis.tick_params(axis="x", labelrotation=20, labelsize=10)
+    figure.suptitle(title, fontsize=11)
     figure.tight_layout()
     figure.savefig(path, format="svg", metadata={"Date": None})
     plt.close(figure)

@@ -18,6 +18,8 @@ from torch import nn
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 MiB = 1024 * 1024  # DDP's "MB" in bucket_cap_mb is this many bytes
+DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb when it is left unset
+FIRST_BUCKET_BYTES = MiB  # dist._DEFAULT_FIRST_BUCKET_BYTES: the first bucket's, by default
 LINKS = ("nvlink", "pcie")  # between the GPUs of one node: fast, or slow
 METHODS = ("one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp")
 
@@ -28,9 +30,10 @@ def bus_bandwidth(op: str, num_bytes: int, seconds: float, world_size: int) -> t
 
     The algorithm bandwidth is the payload over the time. The bus bandwidth multiplies it by
     what a rank of a ring sends per byte of payload: 2 (W - 1) / W for ``"all_reduce"``,
-    (W - 1) / W for ``"all_gather"`` and ``"reduce_scatter"``, 1 for ``"broadcast"``. It is
-    comparable across ops and world sizes, and to the link's own speed (the convention of the
-    standard NCCL benchmarks).
+    (W - 1) / W for ``"all_gather"`` and ``"reduce_scatter"``, 1 for ``"broadcast"``: what a
+    bandwidth-optimal ring needs, so that for such algorithms it is comparable across ops and
+    world sizes, and to the link's own speed (the convention of the standard NCCL benchmarks;
+    an implementation that moves more than a ring shows a lower bus bandwidth).
 
     An op not in ``OPS``, ``seconds <= 0``, ``num_bytes < 0`` or ``world_size < 1`` raise
     ``ValueError``. The test checks each op at several world sizes.
@@ -46,12 +49,17 @@ def fit_alpha_beta(sizes: list[int], seconds: list[float], world_size: int) -> t
     The model: an all-reduce of n bytes on a ring of W ranks takes
     ``t = 2 (W - 1) alpha + 2 (W - 1) / W * n * beta``: ``alpha`` is the latency of one step
     (seconds), ``beta`` the time per byte on one link (seconds per byte; 1 / beta is the bus
-    bandwidth of large messages). Fit the straight line ``t = a + b n`` to every point by least
-    squares, then read ``alpha`` from ``a`` and ``beta`` from ``b``.
+    bandwidth of large messages). Fit the straight line ``t = a + b n`` to every point so that
+    its *relative* errors are small: least squares on ``(a + b n - t) / t``, that is each point
+    weighted by ``1 / t**2``. Sizes span five orders of magnitude: an ordinary least-squares
+    line is held by the largest times, and 1 % of noise there is larger than the whole
+    latency, which the small sizes measure. Then read ``alpha`` from ``a`` and ``beta`` from
+    ``b``.
 
-    Fewer than two distinct sizes, lists of different lengths, or ``world_size < 2`` raise
-    ``ValueError``. The test fits points made from known alpha and beta (at W = 2, 3, 4, 8),
-    and noisy points against least squares.
+    Fewer than two distinct sizes, lists of different lengths, a time that is not positive, or
+    ``world_size < 2`` raise ``ValueError``. The test fits points made from known alpha and
+    beta (at W = 2, 3, 4, 8), noisy points against weighted least squares, and points with 1 %
+    of noise, whose alpha an ordinary least-squares line would lose.
     """
     raise NotImplementedError("task8_1: a least-squares line t = a + b n; alpha, beta from a, b")
 # --8<-- [end:fit_alpha_beta]
@@ -87,18 +95,22 @@ def ddp_buckets(param_bytes: list[int], bucket_cap_bytes: int,
 
 # --8<-- [start:predict_ddp_comm_seconds]
 def predict_ddp_comm_seconds(model: nn.Module, world_size: int, alpha: float, beta: float,
-                             bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                             bucket_cap_mb: float | None = None,
                              bytes_per_element: int | None = None) -> float:
     """The communication time of one DDP step of ``model``: one ring all-reduce per bucket.
 
-    The buckets are ``ddp_buckets`` of the parameters that require a gradient, reversed, with
-    limits ``bucket_cap_mb`` and ``first_bucket_mb`` MiB (DDP's defaults: 25 and 1). A
+    ``bucket_cap_mb`` as it would be passed to ``DDP(model, bucket_cap_mb=...)``, and the
+    buckets DDP builds after its first step for it: ``ddp_buckets`` of the parameters that
+    require a gradient, reversed (the order their gradients arrive in a model used in order).
+    Left ``None`` (DDP's default), the first bucket's limit is 1 MiB
+    (``FIRST_BUCKET_BYTES``) and every later one's 25 MiB (``DEFAULT_BUCKET_CAP_MB``);
+    given, even as 25, every bucket's limit is ``bucket_cap_mb`` MiB, the first's too. A
     communication hook that compresses the gradients sends ``bytes_per_element`` per element
     (2 for bf16) instead of the parameter's own ``element_size()``; the buckets are formed
     from the uncompressed sizes, as DDP forms them.
 
-    The test checks it against the sum of ``predict_allreduce_seconds`` over the buckets torch
-    would form, for several models and bucket sizes.
+    The test checks it against the buckets a real DDP builds for the same model and
+    ``bucket_cap_mb``, for generated models and caps.
     """
     raise NotImplementedError("task8_2: one all-reduce per bucket of the reversed parameters")
 # --8<-- [end:predict_ddp_comm_seconds]
@@ -116,13 +128,16 @@ def bf16_compress(state, bucket):
 
     Register it with ``ddp_model.register_comm_hook(state, bf16_compress)``; ``state`` is
     the process group to average over, or ``None`` for the default group. DDP hands the hook
-    each bucket as soon as its gradients are ready (``bucket.buffer()``: one flat tensor) and
-    waits on the returned future, whose value must be the averaged bucket in the bucket's own
-    dtype. So: cast to bf16, divide by the world size, all-reduce asynchronously, and when that
-    completes, copy the result back into the bucket's buffer and return it.
+    each bucket as soon as its gradients are ready (``bucket.buffer()``: one flat tensor),
+    waits on the returned future, and copies its value, the averaged bucket, into the
+    gradients. So: cast to bf16, divide by the world size, all-reduce asynchronously, and when
+    that completes, copy the result into the bucket's own buffer and return the buffer. (DDP
+    would take the bf16 tensor too, casting as it copies; copying it into the buffer keeps no
+    second bucket-sized tensor alive, which is why torch's own bf16 hook does the same.)
 
     The test trains with your hook against the same run without it (SGD, several steps,
-    within bf16's precision) and counts the bytes each all-reduce moves: half of fp32's.
+    within bf16's precision), counts the bytes each all-reduce moves (half of fp32's), and
+    checks that each future's value is the bucket's own buffer.
     """
     raise NotImplementedError("task8_3: bf16, divided by the world size, all-reduced, copied back")
 # --8<-- [end:bf16_compress]

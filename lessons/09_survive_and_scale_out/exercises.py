@@ -149,8 +149,12 @@ def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None)
     - ``SLURM_NNODES`` and ``SLURM_NODELIST`` are older names of the same two variables.
 
     ``ValueError`` (naming the variable) for: a variable missing, a node count that is not
-    the node list's length, more than one task per node (``SLURM_NTASKS_PER_NODE`` above 1:
-    several torchruns on one node would each start every process), or no GPU count at all.
+    the node list's length, more than one task on a node (several torchruns on one node
+    would each start every process), or no GPU count at all. The tasks per node are in
+    ``SLURM_TASKS_PER_NODE``, which SLURM sets in every job, in its compressed form
+    (``"1(x4)"``: 1 task on each of 4 nodes; ``"2(x3),1"``: 2 on each of 3, then 1), and in
+    ``SLURM_NTASKS_PER_NODE``, which it sets only when the job asked ``--ntasks-per-node``:
+    check both, and every count in them must be 1.
     The test runs a table of emulated SLURM environments.
     """
     raise NotImplementedError("task9_2: every node meets at the node list's first host")

@@ -81,8 +81,12 @@ def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None)
     - ``SLURM_NNODES`` and ``SLURM_NODELIST`` are older names of the same two variables.
 
     ``ValueError`` (naming the variable) for: a variable missing, a node count that is not
-    the node list's length, more than one task per node (``SLURM_NTASKS_PER_NODE`` above 1:
-    several torchruns on one node would each start every process), or no GPU count at all.
+    the node list's length, more than one task on a node (several torchruns on one node
+    would each start every process), or no GPU count at all. The tasks per node are in
+    ``SLURM_TASKS_PER_NODE``, which SLURM sets in every job, in its compressed form
+    (``"1(x4)"``: 1 task on each of 4 nodes; ``"2(x3),1"``: 2 on each of 3, then 1), and in
+    ``SLURM_NTASKS_PER_NODE``, which it sets only when the job asked ``--ntasks-per-node``:
+    check both, and every count in them must be 1.
     The test runs a table of emulated SLURM environments.
     """
     def need(*names: str) -> str:
@@ -97,10 +101,16 @@ def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None)
     if nodes != len(hosts):
         raise ValueError(f"SLURM_JOB_NUM_NODES is {nodes} but the node list has "
                          f"{len(hosts)} hosts: {hosts}")
-    tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
-    if int(tasks_per_node) != 1:
-        raise ValueError(f"SLURM_NTASKS_PER_NODE is {tasks_per_node}: start one torchrun per "
-                         "node (srun --ntasks-per-node=1); it starts that node's processes")
+    for name in ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        counts = []
+        for part in env.get(name, "").split(","):  # "2(x3),1": 2 on each of 3 nodes, then 1
+            match = re.fullmatch(r"\s*(\d+)(\(x\d+\))?\s*", part)
+            if part.strip() and not match:
+                raise ValueError(f"{name} is {env[name]!r}, not counts like 1(x4) or 2,1")
+            counts += [int(match.group(1))] if match else []
+        if any(count != 1 for count in counts):
+            raise ValueError(f"{name} is {env[name]}: start one torchrun per node (srun "
+                             "--ntasks-per-node=1); it starts that node's processes")
     job = int(need("SLURM_JOB_ID"))
     if nproc_per_node is None:
         if env.get("SLURM_GPUS_ON_NODE"):

@@ -514,6 +514,9 @@ ENVIRONMENTS = {
          "SLURM_GPUS_PER_NODE": "h100:8"}, expected_args(2, 8, 4242, "node01:24242")),
     "a port chosen by the job script": (
         {**JOB, "MASTER_PORT": "31337"}, expected_args(2, 4, 4242, "node01:31337")),
+    "one task per node, said only in SLURM_TASKS_PER_NODE's compressed form": (
+        {**{k: v for k, v in JOB.items() if k != "SLURM_NTASKS_PER_NODE"},
+         "SLURM_TASKS_PER_NODE": "1(x2)"}, expected_args(2, 4, 4242, "node01:24242")),
 }
 
 
@@ -563,7 +566,7 @@ def test_slurm_args_py_follows_the_same_table(outside_launcher, capsys):
         assert script.expand_nodelist(nodelist) == hosts, nodelist
     for case, (env, want) in ENVIRONMENTS.items():
         assert script.slurm_to_torchrun(env) == want, case
-    for variable, env in BAD_ENVIRONMENTS.items():
+    for variable, env in BAD_ENVIRONMENTS.values():
         with pytest.raises(ValueError, match=variable):
             script.slurm_to_torchrun(env)
     pairs = [f"--env={name}={value}" for name, value in JOB.items()]
@@ -573,23 +576,39 @@ def test_slurm_args_py_follows_the_same_table(outside_launcher, capsys):
     assert "SLURM_JOB_ID is not set" in capsys.readouterr().err
 
 
+WITHOUT_NTASKS = {k: v for k, v in JOB.items() if k != "SLURM_NTASKS_PER_NODE"}
+# what is wrong -> (the variable the error must name, the environment)
 BAD_ENVIRONMENTS = {
-    "SLURM_JOB_NODELIST": {k: v for k, v in JOB.items() if k != "SLURM_JOB_NODELIST"},
-    "SLURM_JOB_NUM_NODES": {**JOB, "SLURM_JOB_NUM_NODES": "3"},
-    "SLURM_NTASKS_PER_NODE": {**JOB, "SLURM_NTASKS_PER_NODE": "4"},
-    "SLURM_GPUS_ON_NODE": {k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"},
-    "SLURM_JOB_ID": {k: v for k, v in JOB.items() if k != "SLURM_JOB_ID"},
+    "no node list": ("SLURM_JOB_NODELIST",
+                     {k: v for k, v in JOB.items() if k != "SLURM_JOB_NODELIST"}),
+    "a node count that is not the list's": ("SLURM_JOB_NUM_NODES",
+                                            {**JOB, "SLURM_JOB_NUM_NODES": "3"}),
+    "four tasks per node asked": ("SLURM_NTASKS_PER_NODE", {**JOB, "SLURM_NTASKS_PER_NODE": "4"}),
+    "two tasks on each node, compressed": ("SLURM_TASKS_PER_NODE",
+                                           {**WITHOUT_NTASKS, "SLURM_TASKS_PER_NODE": "2(x2)"}),
+    "one node of the two with two tasks": ("SLURM_TASKS_PER_NODE",
+                                           {**WITHOUT_NTASKS, "SLURM_TASKS_PER_NODE": "1,2"}),
+    "no GPU count": ("SLURM_GPUS_ON_NODE",
+                     {k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"}),
+    "no job id": ("SLURM_JOB_ID", {k: v for k, v in JOB.items() if k != "SLURM_JOB_ID"}),
 }
 
 
 @pytest.mark.task9_2
-@pytest.mark.parametrize("variable", BAD_ENVIRONMENTS)
-def test_a_broken_slurm_environment_names_the_variable(ex, variable):
-    with pytest.raises(ValueError) as caught:
-        ex.slurm_to_torchrun(BAD_ENVIRONMENTS[variable])
-    assert variable in str(caught.value), (
+@pytest.mark.parametrize("case", BAD_ENVIRONMENTS)
+def test_a_broken_slurm_environment_names_the_variable(ex, case):
+    variable, env = BAD_ENVIRONMENTS[case]
+    try:
+        got = ex.slurm_to_torchrun(env)
+    except ValueError as error:
+        caught = error
+    else:
+        raise AssertionError(
+            f"{case} ({variable}={env.get(variable, '<not set>')}): slurm_to_torchrun returned "
+            f"{got}; raise ValueError naming {variable}")
+    assert variable in str(caught), (
         f"the ValueError must name {variable}, which is what is wrong here; it said "
-        f"{str(caught.value)!r}")
+        f"{str(caught)!r}")
 
 
 # ----------------------------------------------------------------------------- task 9_3

@@ -205,8 +205,11 @@ def split_gpt(model: nn.Module, num_stages: int) -> list[GPTStage]:
 
     Count each block's parameters; the first stage's count also includes the embeddings, the
     last's the final norm and the head. Of every way to cut the blocks into ``num_stages``
-    non-empty runs, take one whose largest stage is smallest (the pipeline runs at the pace of
-    its slowest stage). More stages than blocks raise ``ValueError`` naming both numbers.
+    non-empty runs, take one whose largest stage is smallest: every stage then needs about the
+    same memory for its parameters, gradients and optimizer state. (Balancing the *time* of
+    the stages, which sets the pipeline's pace, would count compute instead: an embedding has
+    many parameters and almost no compute. The README explains both; this task is the memory
+    split.) More stages than blocks raise ``ValueError`` naming both numbers.
 
     The test checks the stages keep every parameter once, in order, and that no cut has a
     smaller largest stage; then trains the stages against the unsplit model.
