@@ -147,3 +147,64 @@ def test_the_link_check_can_fail(site):
     assert broken_links("[x](lessons/03_ddp.md#launching) [y](index.md)", site) == []
     assert broken_links("[x](lessons/03_ddp.md#no-such-section)", site)
     assert broken_links("[x](lessons/99_missing.md#launching)", site)
+
+
+LESSON_00 = LESSONS_DIR / "00_single_gpu" / "README.md"
+
+
+def text_block_after(marker: str, readme: Path) -> list[str]:
+    """The lines of the ```text block that follows ``<!-- marker -->`` in ``readme``."""
+    text = readme.read_text()
+    start = text.index(f"<!-- {marker} -->\n```text\n") + len(f"<!-- {marker} -->\n```text\n")
+    return text[start:text.index("```", start)].splitlines()
+
+
+def what_varies(line: str) -> str:
+    """A line of train.py's output without what differs from machine to machine."""
+    line = re.sub(r"[\d,.]+ samples/s", "N samples/s", line)
+    line = re.sub(r"sha256 [0-9a-f]+\.\.\.", "sha256 ...", line)
+    return re.sub(r"torch \S+,", "torch X,", line)
+
+
+def test_lesson_00_shows_what_train_py_prints():
+    """The README's output of `python lessons/00_single_gpu/train.py`, from a run: every loss,
+    accuracy and sample as printed; the throughput, the digest and the torch build vary."""
+    from harness.launch import run_script
+
+    run = run_script("lessons/00_single_gpu/train.py", result=False, timeout=180)
+    printed = [what_varies(line) for line in run.output.splitlines()
+               if not line.startswith("result written")]
+    shown = [what_varies(line) for line in text_block_after("train.py's output", LESSON_00)]
+    assert shown == printed, (
+        "lessons/00_single_gpu/README.md shows another output of train.py than it prints now; "
+        "paste a fresh run's:\n" + "\n".join(run.output.splitlines()))
+
+
+def collected(lesson: str, marks: str) -> int:
+    done = subprocess.run([sys.executable, "-m", "pytest", f"lessons/{lesson}", "--collect-only",
+                           "-q", "-m", marks, "-p", "no:cacheprovider"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    found = re.search(r"(\d+)(?:/\d+)? tests? collected", done.stdout)
+    return int(found.group(1)) if found else 0
+
+
+def test_lesson_00_shows_the_progress_table_a_fresh_clone_prints():
+    """"lesson checks: N passed, M skipped" on a machine without a GPU: the lesson's tests of no
+    task, those that need a GPU skipped."""
+    from harness.selfcheck import tasks_of
+
+    untasked = " and ".join(f"not {task}" for task in tasks_of("00_single_gpu"))
+    passed = collected("00_single_gpu", f"not gpu and {untasked}")
+    skipped = collected("00_single_gpu", f"gpu and {untasked}")
+    line = text_block_after("the progress table", LESSON_00)[0]
+    assert f"lesson checks: {passed} passed, {skipped} skipped" in line, (
+        f"lessons/00_single_gpu/README.md's progress table says {line!r}; a fresh clone without "
+        f"a GPU prints {passed} passed, {skipped} skipped")
+
+
+def test_the_home_pages_course_diagram_has_every_lesson():
+    text = (REPO_ROOT / "docs" / "index.md").read_text()
+    diagram = text[text.index("```mermaid"):]
+    diagram = diagram[:diagram.index("```", 3)]
+    missing = [lesson for lesson in LESSONS if f'L{lesson[:2]}["{lesson[:2]}<br/>' not in diagram]
+    assert not missing, f"docs/index.md's course diagram lacks {missing}"

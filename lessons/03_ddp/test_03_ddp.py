@@ -24,6 +24,7 @@ from harness.exercises import load_exercise, load_lesson_module, raise_if_untouc
 from harness.hardware import needs_gpus
 from harness.launch import run_script, start_script
 from harness.ranks import group_params, run_on_ranks
+from harness.sweep import st, sweep
 
 LESSON = "03_ddp"
 SCRIPT = f"lessons/{LESSON}/train_ddp.py"
@@ -110,6 +111,24 @@ def test_shard_indices_equal_distributed_sampler(ex, shuffle, drop_last):
                         why = shard_diagnosis(ex, length, world, shuffle, seed, epoch, drop_last)
                         raise AssertionError(f"{call} = {got}, but DistributedSampler yields "
                                              f"{want}" + (f". {why}" if why else ""))
+
+
+@pytest.mark.task3_1
+@sweep(length=st.integers(0, 500), world=st.integers(1, 64), shuffle=st.booleans(),
+       drop_last=st.booleans(), seed=st.integers(0, 2**31 - 1), epoch=st.integers(0, 1000),
+       data=st.data(), max_examples=60)
+def test_shard_indices_equal_distributed_sampler_for_any_split(ex, length, world, shuffle,
+                                                             drop_last, seed, epoch, data):
+    """Beyond the grid above: longer datasets, more replicas, any seed and epoch."""
+    rank = data.draw(st.integers(0, world - 1), label="rank")
+    got = ex.shard_indices(length, world, rank, shuffle=shuffle, seed=seed, epoch=epoch,
+                           drop_last=drop_last)
+    want = sampler_indices(length, world, rank, shuffle, seed, epoch, drop_last)
+    assert [int(i) for i in got] == want, (
+        f"shard_indices(dataset_len={length}, num_replicas={world}, rank={rank}, "
+        f"shuffle={shuffle}, seed={seed}, epoch={epoch}, drop_last={drop_last}) = {got[:12]}"
+        f"{' ...' if len(got) > 12 else ''}, but DistributedSampler yields {want[:12]}"
+        f"{' ...' if len(want) > 12 else ''}")
 
 
 def interleaved(shards: list[list[int]]) -> list[int]:

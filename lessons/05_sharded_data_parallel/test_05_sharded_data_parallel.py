@@ -38,6 +38,7 @@ from harness.hardware import needs_gpus
 from harness.launch import one_process_fit, run_script, start_script
 from harness.memory import held_bytes
 from harness.ranks import group_params, run_on_ranks
+from harness.sweep import st, sweep
 
 LESSON = "05_sharded_data_parallel"
 SCRIPT = f"lessons/{LESSON}/train_fsdp.py"
@@ -276,6 +277,35 @@ def test_memory_per_rank(ex, arguments, stage, expected):
 
 
 @pytest.mark.task5_1
+@sweep(num_params=st.integers(0, 10**12), world_size=st.integers(1, 4096),
+       stage=st.integers(0, 3), param_bytes=st.sampled_from([1, 2, 4, 8]),
+       grad_bytes=st.sampled_from([1, 2, 4]), optimizer_bytes=st.integers(0, 16),
+       max_examples=80)
+def test_memory_per_rank_for_any_setup(ex, num_params, world_size, stage, param_bytes,
+                                       grad_bytes, optimizer_bytes):
+    """The oracle, written from the text: each stage shards what the one before it sharded and
+    one more kind of state, a sharded kind taking ceil(num_params / world_size) elements."""
+    arguments = dict(num_params=num_params, world_size=world_size, param_bytes=param_bytes,
+                     grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+    shard = -(-num_params // world_size)
+    elements = {"parameters": shard if stage >= 3 else num_params,
+                "gradients": shard if stage >= 2 else num_params,
+                "optimizer_state": shard if stage >= 1 else num_params}
+    sizes = {"parameters": param_bytes, "gradients": grad_bytes,
+             "optimizer_state": optimizer_bytes}
+    want = {key: elements[key] * sizes[key] for key in elements}
+    want["total"] = sum(want.values())
+    got = ex.memory_per_rank(**arguments, stage=stage)
+    call = formula_call(arguments, stage)
+    for key, value in want.items():
+        got_value = got.get(key) if isinstance(got, dict) else None
+        if got_value != value:
+            why = formula_diagnosis(arguments, stage, key, got_value)
+            raise AssertionError(f"{call}[{key!r}] = {got_value!r}, expected {value:_}"
+                                 + (f": {why}" if why else ""))
+
+
+@pytest.mark.task5_1
 def test_memory_per_rank_reproduces_the_zero_papers_figure(ex):
     for stage, total_gb in PAPER_TOTALS_GB.items():
         got = ex.memory_per_rank(**PAPER, stage=stage)["total"] / GB
@@ -478,23 +508,31 @@ def train_beside_ddp(ctx, method: str, optimizer: str, steps: int, model_name: s
     return result
 
 
-def piece_diagnosis(got: torch.Tensor, want: torch.Tensor, world: int, rank: int) -> str:
-    """Where, by pieces, a parameter differs from DDP's: a guess at the mistake, or ""."""
-    differ = ~torch.isclose(got.double().reshape(-1), want.double().reshape(-1),
-                            rtol=1.3e-6, atol=1e-5)
+def piece_diagnosis(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, world: int,
+                    rank: int) -> str:
+    """Where, by pieces, a parameter differs from DDP's: the mistake, when the numbers leave no
+    doubt (the elements that differ are exactly the ones the step left as they were), or ""."""
+    flat, previous = got.double().reshape(-1), before.double().reshape(-1)
+    differ = ~torch.isclose(flat, want.double().reshape(-1), rtol=1.3e-6, atol=1e-5)
+    unchanged = flat == previous
     numel = differ.numel()
     if not bool(differ.any()):
         return ""
     floor_end = world * (numel // world)
-    if numel % world and bool(differ[floor_end:].all()) and not bool(differ[:floor_end].any()):
-        return (f"only the last {numel - floor_end} elements differ: with numel // world_size "
-                f"elements per piece, {numel} % {world} elements belong to no rank. Use "
-                f"shard_bounds: ceil(numel / world_size) per piece, the last pieces padded")
+    if (numel % world and bool(differ[floor_end:].all()) and not bool(differ[:floor_end].any())
+            and bool(unchanged[floor_end:].all())):
+        return (f"only the last {numel - floor_end} elements differ, and the step left them as "
+                f"they were: with numel // world_size elements per piece, {numel} % {world} "
+                f"elements belong to no rank. Use shard_bounds: ceil(numel / world_size) per "
+                f"piece, the last pieces padded")
     start, end = piece_bounds(numel, world, rank)
-    if not bool(differ[start:end].any()):
-        return (f"rank {rank}'s own piece (elements {start} to {end - 1}) is right but other "
-                f"elements differ: the updated pieces were not all-gathered back into the "
-                f"whole parameter after the step")
+    outside = torch.ones(numel, dtype=torch.bool)
+    outside[start:end] = False
+    if (not bool(differ[start:end].any()) and bool(differ[outside].any())
+            and bool(unchanged[differ].all())):
+        return (f"rank {rank}'s own piece (elements {start} to {end - 1}) was updated as DDP's "
+                f"but the others kept their values from before the step: the updated pieces "
+                f"were not all-gathered back into the whole parameter")
     return ""
 
 
@@ -507,6 +545,7 @@ def assert_same_as_ddp(result: dict, rank: int, world: int, method: str,
     __tracebackhide__ = True
     first_method = {n: result["method"][0][n] - result["start"][n] for n in result["start"]}
     first_ddp = {n: result["ddp"][0][n] - result["start"][n] for n in result["start"]}
+    befores = [result["start"], *result["method"][:-1]]
     for step, (got, want) in enumerate(zip(result["method"], result["ddp"], strict=True)):
         for name in want:
             try:
@@ -516,7 +555,7 @@ def assert_same_as_ddp(result: dict, rank: int, world: int, method: str,
                 assert_close(got[name], want[name],
                              f"{method}: {name!r} after step {step + 1}, vs DDP", rank)
             except AssertionError as error:
-                why = piece_diagnosis(got[name], want[name], world, rank)
+                why = piece_diagnosis(got[name], want[name], befores[step][name], world, rank)
                 raise (with_diagnosis(error, why) if why else error) from None
     if one_process_steps is not None:
         assert_parameters_close(result["method"][-1], one_process_steps[len(result["method"]) - 1],

@@ -45,6 +45,7 @@ from harness.pipeline import (
     simulate,
 )
 from harness.ranks import RankError, get_pool, group_params, run_on_ranks
+from harness.sweep import st, sweep
 
 LESSON = "07_pipeline_parallel"
 SCRIPT = f"lessons/{LESSON}/train_pp.py"
@@ -173,6 +174,25 @@ SHAPES = [(1, 1), (2, 1), (2, 4), (3, 5), (4, 1), (4, 2), (4, 4), (4, 8)]
 @pytest.mark.parametrize("stages,micro_batches", SHAPES, ids=[f"p{p}-m{m}" for p, m in SHAPES])
 def test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text(
         ex, kind, stages, micro_batches):
+    assert_schedule_of_the_text(ex, kind, stages, micro_batches)
+
+
+@pytest.mark.task7_1
+@sweep(kind=st.sampled_from(["gpipe", "1f1b"]), stages=st.integers(1, 8),
+       micro_batches=st.integers(1, 16), max_examples=60)
+def test_schedule_of_any_shape_is_the_texts(ex, kind, stages, micro_batches):
+    """Any number of stages and micro-batches: the simulator's checks, then the order of the
+    text's schedule itself (the docstring says which action comes when)."""
+    plan = assert_schedule_of_the_text(ex, kind, stages, micro_batches)
+    expected = reference_schedule(kind, stages, micro_batches)
+    for stage, (got, want) in enumerate(zip(plan, expected, strict=True)):
+        assert [tuple(a) for a in got] == want, (
+            f"schedule({kind!r}, {stages}, {micro_batches}): stage {stage} runs {got}, the text's "
+            f"{kind} runs {want}")
+
+
+def assert_schedule_of_the_text(ex, kind: str, stages: int, micro_batches: int) -> list:
+    __tracebackhide__ = True
     plan = ex.schedule(kind, stages, micro_batches)
     call = f"schedule({kind!r}, {stages}, {micro_batches})"
     assert isinstance(plan, list) and len(plan) == stages, (
@@ -200,6 +220,7 @@ def test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text(
             + ("GPipe runs every forward before any backward" if kind == "gpipe" else
                "1F1B's stage s holds at most p - s (after min(p - s - 1, m) warm-up forwards, "
                "one forward then one backward)"))
+    return plan
 
 
 @pytest.mark.task7_1

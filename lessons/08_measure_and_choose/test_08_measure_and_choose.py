@@ -78,6 +78,20 @@ def test_bus_bandwidth_is_the_algorithm_bandwidth_times_the_ring_factor(ex, op, 
 
 
 @pytest.mark.task8_1
+@sweep(op=st.sampled_from(OPS), num_bytes=st.integers(0, 2**40), seconds=st.floats(1e-7, 1e3),
+       world=st.integers(1, 4096), max_examples=60)
+def test_bus_bandwidth_for_any_measurement(ex, op, num_bytes, seconds, world):
+    algbw, busbw = ex.bus_bandwidth(op, num_bytes, seconds, world)
+    assert math.isclose(algbw, num_bytes / seconds, rel_tol=1e-9, abs_tol=1e-12), (
+        f"bus_bandwidth({op!r}, {num_bytes}, {seconds}, {world}): algorithm bandwidth {algbw}, "
+        f"expected payload / seconds = {num_bytes / seconds}")
+    assert math.isclose(busbw, num_bytes / seconds * ring_factor(op, world), rel_tol=1e-9,
+                        abs_tol=1e-12), (
+        f"bus_bandwidth({op!r}, {num_bytes}, {seconds}, {world}): bus bandwidth {busbw}, "
+        f"expected {ring_factor(op, world):.6g} x the algorithm bandwidth")
+
+
+@pytest.mark.task8_1
 @pytest.mark.parametrize("arguments", [("all_to_all", 1024, 1.0, 2), ("all_reduce", 1024, 0.0, 2),
                                        ("all_reduce", 1024, 1.0, 0)],
                          ids=["unknown op", "zero seconds", "no ranks"])

@@ -45,6 +45,7 @@ from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module, rais
 from harness.hardware import needs_gpus
 from harness.launch import free_port, path_with, start_nodes, start_script
 from harness.ranks import run_on_ranks
+from harness.sweep import st, sweep
 
 LESSON = "09_survive_and_scale_out"
 RESILIENT = f"lessons/{LESSON}/train_resilient.py"
@@ -199,6 +200,30 @@ def test_the_sampler_resumes_an_epoch_where_it_stopped(ex):
         for bad in (-1, 12):
             with pytest.raises(ValueError, match=str(bad)):
                 sampler.set_epoch(2, bad)
+
+
+@pytest.mark.task9_1
+@sweep(size=st.integers(1, 40), world=st.integers(1, 5), shuffle=st.booleans(),
+       drop_last=st.booleans(), epoch=st.integers(0, 3), data=st.data(), max_examples=40)
+def test_the_sampler_resumes_any_epoch_of_any_split_where_it_stopped(ex, size, world, shuffle,
+                                                                    drop_last, epoch, data):
+    """DistributedSampler is the oracle: any dataset size, world size, rank, shuffle and
+    drop_last, any epoch, started from any place in the rank's share."""
+    rank = data.draw(st.integers(0, world - 1), label="rank")
+    options = dict(num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+    reference = DistributedSampler(list(range(size)), **options)
+    reference.set_epoch(epoch)
+    whole = list(reference)
+    start = data.draw(st.integers(0, len(whole)), label="start")
+    sampler = ex.ResumableSampler(list(range(size)), **options)
+    sampler.set_epoch(epoch, start)
+    got = list(sampler)
+    assert got == whole[start:], (
+        f"{size} samples, {world} ranks, rank {rank}, shuffle={shuffle}, drop_last={drop_last}, "
+        f"set_epoch({epoch}, start={start}): yielded {got}, expected {whole[start:]}")
+    assert len(sampler) == len(whole) - start, (
+        f"len() is {len(sampler)} after set_epoch({epoch}, start={start}), expected "
+        f"{len(whole) - start}: the samples left")
 
 
 @pytest.mark.task9_1
@@ -492,6 +517,43 @@ def test_node_lists_expand_as_slurm_does(ex, nodelist):
         "inside brackets do not separate hosts; a range keeps its first number's width)")
 
 
+# A host name as SLURM compresses it: literal text, then brackets of numbers and ranges, each a
+# literal again after it; a range keeps the width of its first number.
+LITERAL = st.text("abcdefghxyz-", min_size=1, max_size=4)
+RANGE = st.tuples(st.integers(0, 120), st.integers(0, 12), st.integers(1, 3))  # low, span, width
+BRACKET = st.lists(RANGE, min_size=1, max_size=3)
+HOST = st.tuples(LITERAL, st.lists(st.tuples(BRACKET, st.text("abn-", max_size=2)), max_size=2))
+
+
+def compressed(host) -> tuple[str, list[str]]:
+    """A host spec as SLURM writes it, and the hosts it stands for (the oracle)."""
+    head, brackets = host
+    text, names = head, [head]
+    for ranges, tail in brackets:
+        inside, numbers = [], []
+        for low, span, width in ranges:
+            high = low + span
+            first = str(low).zfill(width)
+            inside.append(first if span == 0 else f"{first}-{str(high).zfill(width)}")
+            numbers += [str(n).zfill(len(first)) for n in range(low, high + 1)]
+        text += "[" + ",".join(inside) + "]" + tail
+        names = [name + number + tail for name in names for number in numbers]
+    return text, names
+
+
+@pytest.mark.task9_2
+@sweep(hosts=st.lists(HOST, min_size=1, max_size=4), max_examples=60)
+def test_any_compressed_node_list_expands_to_its_hosts(ex, hosts):
+    parts = [compressed(host) for host in hosts]
+    nodelist = ",".join(text for text, _ in parts)
+    want = [name for _, names in parts for name in names]
+    got = ex.expand_nodelist(nodelist)
+    assert got == want, (
+        f"expand_nodelist({nodelist!r}) gave {got[:12]}{' ...' if len(got) > 12 else ''}, "
+        f"expected {want[:12]}{' ...' if len(want) > 12 else ''} (every combination of the "
+        "brackets, in order; a range keeps its first number's width)")
+
+
 @pytest.mark.task9_2
 @pytest.mark.parametrize("nodelist", ["", "node[01-02", "node[3-1]", "node]1["])
 def test_bad_node_lists_are_refused(ex, nodelist):
@@ -657,6 +719,46 @@ def test_resume_point_picks_the_newest_complete_checkpoint(ex, tmp_path):
     assert ex.resume_point(tmp_path) is None, (
         f"only broken or partial checkpoints are left ({sorted(os.listdir(tmp_path))}); "
         f"resume_point returned {ex.resume_point(tmp_path)}")
+
+
+ENTRY_KINDS = ("complete", "partial", "empty", "cut", "file", "other name")
+
+
+@pytest.mark.task9_3
+@sweep(entries=st.lists(st.tuples(st.integers(0, 2000), st.sampled_from(ENTRY_KINDS),
+                                  st.integers(0, 3)), max_size=8, unique_by=lambda e: e[0]),
+       max_examples=20)
+def test_resume_point_finds_the_newest_complete_checkpoint_among_any(ex, entries):
+    """Any mix of complete checkpoints (their numbers zero-padded or not), .partial
+    directories, empty step directories, files cut short, files named like a step, and other
+    names; the oracle is the largest step number among the complete ones."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        complete = []
+        for step, kind, padding in entries:
+            name = f"step-{str(step).zfill(padding + len(str(step)))}"
+            if kind == "complete":
+                write_checkpoint(folder, name)
+                complete.append((step, name))
+            elif kind == "partial":
+                write_checkpoint(folder, name + ".partial")
+            elif kind == "empty":
+                (folder / name).mkdir()
+            elif kind == "cut":
+                write_checkpoint(folder, name, cut=True)
+            elif kind == "file":
+                (folder / name).write_text("a file, not a checkpoint directory")
+            else:
+                write_checkpoint(folder, f"{name}-old")
+        got = ex.resume_point(folder)
+        want = max(complete)[1] if complete else None
+        listing = sorted(p.name for p in folder.iterdir())
+        assert (Path(got).name if got is not None else None) == want, (
+            f"resume_point among {listing} returned {got and Path(got).name}; expected {want}: "
+            f"the largest step number among the directories named step-<digits> whose "
+            f"train.pt is whole")
 
 
 # ----------------------------------------------------------------------------- the scripts

@@ -2,7 +2,7 @@
 point: exact points fit, noisy ones do not."""
 
 TASK = "task8_1"
-EXPECT = r"least-squares line through all of them"
+EXPECT = r"smallest relative errors, through all of them"
 
 
 def fit_alpha_beta(sizes, seconds, world_size):
