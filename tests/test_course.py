@@ -236,6 +236,8 @@ def readme_commands() -> list[str]:
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
         for line in block.splitlines():
+            if line.lstrip().startswith("#"):  # a comment line: an option, not a command run
+                continue
             command = line.split(" #", 1)[0].strip()
             if command:
                 commands.extend(part.strip() for part in command.split("&&"))

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.collectives import DispatchedAllReduces
@@ -93,8 +94,10 @@ def test_bus_bandwidth_for_any_measurement(ex, op, num_bytes, seconds, world):
 
 @pytest.mark.task8_1
 @pytest.mark.parametrize("arguments", [("all_to_all", 1024, 1.0, 2), ("all_reduce", 1024, 0.0, 2),
-                                       ("all_reduce", 1024, 1.0, 0)],
-                         ids=["unknown op", "zero seconds", "no ranks"])
+                                       ("all_reduce", 1024, 1.0, 0), ("all_reduce", -1, 1.0, 2),
+                                       ("all_reduce", 1024, -1.0, 2)],
+                         ids=["unknown op", "zero seconds", "no ranks", "negative bytes",
+                              "negative seconds"])
 def test_bus_bandwidth_refuses_what_is_not_a_measurement(ex, arguments):
     assert_refuses(ex.bus_bandwidth, arguments, "an unknown op, a time that is not positive or "
                    "no ranks is not a measurement")
@@ -190,8 +193,10 @@ def test_fit_keeps_the_latency_under_one_percent_of_noise(ex, seed):
 @pytest.mark.task8_1
 @pytest.mark.parametrize("arguments", [([1024, 1024], [1e-3, 2e-3], 2), ([1024, 2048], [1e-3], 2),
                                        ([1024, 2048], [1e-3, 2e-3], 1),
-                                       ([1024, 2048], [1e-3, 0.0], 2)],
-                         ids=["one size", "lengths differ", "one rank", "a time of zero"])
+                                       ([1024, 2048], [1e-3, 0.0], 2),
+                                       ([1024, 2048], [-1e-3, 2e-3], 2)],
+                         ids=["one size", "lengths differ", "one rank", "a time of zero",
+                              "a negative time"])
 def test_fit_refuses_what_cannot_be_fitted(ex, arguments):
     assert_refuses(ex.fit_alpha_beta, arguments, "a line needs two distinct sizes, one "
                    "positive time per size, and an all-reduce needs two ranks")
@@ -364,18 +369,30 @@ def ddp_run(ctx, with_hook: bool) -> dict:
             return value
         return load_exercise(LESSON).bf16_compress(state, bucket).then(note)
 
+    asynchronous = []  # per all-reduce the hook starts: was it async_op=True?
+    real_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(*args, **kwargs):
+        asynchronous.append(bool(kwargs.get("async_op", args[3] if len(args) > 3 else False)))
+        return real_all_reduce(*args, **kwargs)
+
     if with_hook:
         model.register_comm_hook(None, watched)
+        dist.all_reduce = recording_all_reduce
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(100 + ctx.rank)
-    with DispatchedAllReduces() as counter:
-        for _ in range(HOOK_STEPS):
-            tokens = torch.randint(0, HOOK_CONFIG["vocab_size"], (4, HOOK_CONFIG["block_size"] + 1),
-                                   generator=generator)
-            model(tokens[:, :-1], tokens[:, 1:])[1].backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    try:
+        with DispatchedAllReduces() as counter:
+            for _ in range(HOOK_STEPS):
+                tokens = torch.randint(0, HOOK_CONFIG["vocab_size"],
+                                       (4, HOOK_CONFIG["block_size"] + 1), generator=generator)
+                model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        dist.all_reduce = real_all_reduce
     return {"state": model.module.state_dict(), "sent": counter.calls, "returned": returned,
+            "asynchronous": asynchronous,
             "grad_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
@@ -401,6 +418,10 @@ def test_bf16_hook_trains_like_fp32_ddp_and_sends_half_the_bytes(ex):
             f"rank {rank}: {HOOK_STEPS} steps all-reduced {sent} bytes with the hook and {full} "
             f"without: a bf16 bucket is half of fp32's (one all-reduce per bucket, nothing else)")
         assert mine["grad_dtypes"] == ["torch.float32"], mine["grad_dtypes"]
+        assert mine["asynchronous"] and all(mine["asynchronous"]), (
+            f"rank {rank}: the hook's all-reduces were not started with async_op=True "
+            f"({mine['asynchronous']}): a hook that waits for its all-reduce holds up the "
+            f"backward, which DDP would otherwise go on computing while the bucket travels")
         elsewhere = [dtype for in_place, dtype in mine["returned"] if not in_place]
         assert not elsewhere, (
             f"rank {rank}: the hook's future holds a new {elsewhere[0]} tensor, not the bucket's "
@@ -416,6 +437,38 @@ def test_bf16_hook_trains_like_fp32_ddp_and_sends_half_the_bytes(ex):
                         "size, and copied back into bucket.buffer() after the all-reduce?")
             assert_close(mine["state"][name], value, f"{name} after {HOOK_STEPS} SGD steps with "
                          f"the bf16 hook vs fp32 DDP{hint}", rank, **BF16_STEPS)
+
+
+def ddp_in_halves(ctx) -> dict:
+    """Four ranks as two DDP groups of two, {0, 1} and {2, 3}, the hook given its group as
+    state: each group's gradients are its own two ranks' mean, not all four's."""
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = halves[ctx.rank // 2]
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(8, 4), process_group=mine)
+    model.register_comm_hook(mine, load_exercise(LESSON).bf16_compress)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(ctx.rank))
+    model(x).pow(2).mean().backward()
+    alone = nn.Linear(8, 4)
+    alone.load_state_dict(model.module.state_dict())
+    alone(x).pow(2).mean().backward()
+    return {"grad": model.module.weight.grad, "own": alone.weight.grad}
+
+
+@pytest.mark.task8_3
+def test_bf16_hook_averages_over_the_group_it_is_given(ex):
+    raise_if_untouched(ex.bf16_compress)
+    ranks = run_on_ranks(ddp_in_halves, world_size=4)
+    for rank, got in enumerate(ranks):
+        pair = ranks[rank // 2 * 2: rank // 2 * 2 + 2]
+        want = (pair[0]["own"] + pair[1]["own"]) / 2
+        everyone = sum(r["own"] for r in ranks) / 4
+        why = (": that is the mean over all 4 ranks; all-reduce over state, the process group "
+               "DDP gives the hook, and divide by its size"
+               if torch.allclose(got["grad"], everyone, rtol=1e-2, atol=1e-3) else "")
+        assert_close(got["grad"], want, f"the gradient in a DDP group of ranks {rank // 2 * 2} "
+                     f"and {rank // 2 * 2 + 1}, the hook given that group as state{why}", rank,
+                     rtol=1e-2, atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- task8_4
@@ -466,11 +519,16 @@ def test_choose_method_follows_the_table_of_the_text(ex, case):
 
 @pytest.mark.task8_4
 @pytest.mark.parametrize("arguments", [(GB, GB, 0, 8, 8, "nvlink"), (GB, GB, 80 * GB, 8, 8, "ib"),
-                                       (GB, GB, 80 * GB, 12, 8, "nvlink")],
-                         ids=["no memory", "unknown link", "not whole nodes"])
+                                       (GB, GB, 80 * GB, 12, 8, "nvlink"),
+                                       (0, GB, 80 * GB, 8, 8, "nvlink"),
+                                       (GB, GB, 80 * GB, 0, 8, "nvlink"),
+                                       (GB, GB, 80 * GB, 8, 0, "nvlink"),
+                                       (GB, -1, 80 * GB, 8, 8, "nvlink")],
+                         ids=["no memory", "unknown link", "not whole nodes", "no model",
+                              "no GPUs", "no GPUs per node", "negative activations"])
 def test_choose_method_refuses_nonsense(ex, arguments):
-    assert_refuses(ex.choose_method, arguments, "no memory, an unknown link, or GPUs that are "
-                   "not whole nodes")
+    assert_refuses(ex.choose_method, arguments, "sizes and counts must be positive "
+                   "(activation_bytes may be 0), the link known, the GPUs whole nodes")
 
 
 # ----------------------------------------------------------------------------- the scripts
