@@ -45,10 +45,13 @@ def bad_environments(ex) -> dict:
     two_local = {**full, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     one_gpu = [mock.patch("torch.cuda.is_available", return_value=True),
                mock.patch("torch.cuda.device_count", return_value=1)]
+    # "Without a GPU" must hold on the GPU machine too, where the real answer would be yes.
+    no_gpu = [mock.patch("torch.cuda.is_available", return_value=False),
+              mock.patch("torch.cuda.device_count", return_value=0)]
     cases = {
         "no launcher": ({}, "auto", []),
         "only RANK and WORLD_SIZE": ({"RANK": "0", "WORLD_SIZE": "2"}, "auto", []),
-        "nccl without a GPU": (full, "nccl", []),
+        "nccl without a GPU": (full, "nccl", no_gpu),
         "nccl with 2 local ranks and 1 GPU": (two_local, "nccl", one_gpu),
         "auto on this machine, world of one": (full, "auto", []),
     }
