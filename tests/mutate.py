@@ -3,6 +3,8 @@
     python tests/mutate.py --list                      # how many mutants each task has
     python tests/mutate.py --lessons 05,07             # run them: a table per lesson
     python tests/mutate.py --sample 2 --seed abc123    # 2 per lesson, chosen by the seed
+    python tests/mutate.py --survivors-to left.txt     # then, after new tests:
+    python tests/mutate.py --only left.txt             # grade just those again
 
 A *mutant* is the reference answer of one task with one small change: an operator swapped
 (``+`` for ``-``, ``<`` for ``<=``, ``and`` for ``or``), a constant moved (``n`` to ``n + 1``,
@@ -212,10 +214,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", default="0")
     parser.add_argument("--parallel", type=int, default=3)
     parser.add_argument("--list", action="store_true", help="count the mutants, run nothing")
+    parser.add_argument("--only", type=Path, help="a file of mutant ids, one a line: only those")
+    parser.add_argument("--survivors-to", type=Path, help="write the survivors' ids here")
     args = parser.parse_args(argv)
     mutants = all_mutants(args.lessons.split(",") if args.lessons else None)
     if args.tasks:
         mutants = [m for m in mutants if m.task in args.tasks.split(",")]
+    if args.only:
+        wanted = {line.strip() for line in args.only.read_text().splitlines() if line.strip()}
+        mutants = [m for m in mutants if m.id in wanted]
     notes = listed()
     known = {mutant for mutant, (kind, _) in notes.items() if kind == "equivalent"}
     if args.sample is not None:
@@ -273,6 +280,8 @@ def main(argv=None) -> int:
         print(f"{lesson:25} {len(mine):7} {equal:11} {killed:7} {survived:9}  {score:5.0%}")
     survivors = [r[0] for r in results.values() if r[1] == "survived"]
     unlisted = [m for m in survivors if m.id not in notes]
+    if args.survivors_to:
+        args.survivors_to.write_text("".join(f"{m.id}\n" for m in survivors))
     if survivors:
         print("\nsurvivors (kill each with a test, or list it in tests/mutation_equivalents.txt):")
         for mutant in survivors:
