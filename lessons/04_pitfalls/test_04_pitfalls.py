@@ -13,17 +13,20 @@ import contextlib
 import difflib
 import io
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - DDP's first use imports it: ~3 s per forked rank
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  before any group exists: see the labs' start()
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_exercise, load_lesson_module
 from harness.hardware import needs_gpus
@@ -34,6 +37,101 @@ LESSON = "04_pitfalls"
 DOCTOR = f"lessons/{LESSON}/doctor.py"
 HANG_TIMEOUT = 2  # s: the process-group timeout under which a demonstrated hang becomes an error
 GRADE_TIMEOUT = 5  # s: the same for task tests, where only a wrong answer hangs
+
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken (tests/test_course.py checks the names).  # noqa: E501
+CLAUSES = {
+    "task4_1": {
+        "the accuracy of model on dataset, every sample counted exactly once":
+            ["test_exact_accuracy_counts_every_sample_once"],
+        "every rank returns the same Python float":
+            ["test_exact_accuracy_counts_every_sample_once"],
+        "the prediction is model(inputs).argmax(dim=1)":
+            ["test_exact_accuracy_counts_every_sample_once"],
+        "rank r evaluates samples r, r + W, r + 2W, ... (no padding)":
+            ["test_exact_accuracy_evaluates_the_strided_shard",
+             "test_exact_accuracy_counts_every_sample_once"],
+        "under torch.no_grad()": ["test_exact_accuracy_evaluates_under_no_grad"],
+        "on the device of the model's parameters":
+            "not testable on CPU: the model, the data and the counts are all on the CPU there, "
+            "so inputs or counts left on the CPU are on the model's device anyway",
+        "each rank sums its correct predictions and its samples":
+            ["test_exact_accuracy_counts_every_sample_once"],
+        "one all_reduce adds them over the ranks":
+            ["test_exact_accuracy_counts_every_sample_once",
+             "test_exact_accuracy_adds_the_counts_with_one_all_reduce"],
+        "return correct / total, not the mean of the ranks' accuracies":
+            ["test_exact_accuracy_counts_every_sample_once"],
+        "not a DistributedSampler (its padding counts some samples twice)":
+            ["test_exact_accuracy_counts_every_sample_once",
+             "test_exact_accuracy_evaluates_the_strided_shard"],
+    },
+    "task4_2": {
+        "no GPU (gpu_count == 0): torch.device('cpu')": ["test_pick_device_uses_the_local_rank"],
+        "otherwise cuda:<LOCAL_RANK>, never RANK": ["test_pick_device_uses_the_local_rank"],
+        "raise RuntimeError if LOCAL_RANK is missing (say it is set by torchrun)":
+            ["test_pick_device_explains_bad_environments"],
+        "raise RuntimeError if LOCAL_RANK is not below gpu_count":
+            ["test_pick_device_explains_bad_environments",
+             "test_pick_device_names_the_local_rank_and_the_gpu_count"],
+        "name both numbers: more processes than GPUs":
+            ["test_pick_device_names_the_local_rank_and_the_gpu_count"],
+    },
+    "task4_3": {
+        "only rank 0 writes": ["test_save_on_rank0_writes_once_atomically_and_everyone_waits"],
+        "it writes model.module.state_dict() (without DDP's module. prefix)":
+            ["test_save_on_rank0_writes_once_atomically_and_everyone_waits"],
+        "it writes to a temporary file in the same folder, then os.replaces it onto path":
+            ["test_save_on_rank0_writes_once_atomically_and_everyone_waits"],
+        "every rank then waits at dist.barrier(), outside the if rank == 0":
+            ["test_save_on_rank0_writes_once_atomically_and_everyone_waits"],
+    },
+    "task4_4": {
+        "one step per (inputs, targets): zero the gradients, backward, optimizer.step()":
+            ["test_train_with_join_trains_every_batch_without_hanging"],
+        "wrap the loop in Join([model]): ranks with fewer batches do not hang":
+            ["test_train_with_join_trains_every_batch_without_hanging"],
+        "train on every batch: none is dropped":
+            ["test_train_with_join_trains_every_batch_without_hanging"],
+        "return the number of steps this rank took":
+            ["test_train_with_join_trains_every_batch_without_hanging"],
+    },
+    "task4_5": {
+        "torch.load(path, map_location=device, ...)":
+            ["test_load_checkpoint_maps_devices_and_strips_prefixes"],
+        "weights_only=True": ["test_load_checkpoint_refuses_a_checkpoint_that_runs_code"],
+        "strip a leading module. from the keys":
+            ["test_load_checkpoint_maps_devices_and_strips_prefixes",
+             "test_load_checkpoint_strips_only_the_leading_prefix"],
+        "keys without it are left alone":
+            ["test_load_checkpoint_accepts_plain_keys_and_rejects_wrong_ones"],
+        "strict: a missing key is an error":
+            ["test_load_checkpoint_accepts_plain_keys_and_rejects_wrong_ones"],
+        "strict: an unexpected key is an error":
+            ["test_load_checkpoint_rejects_an_unexpected_key"],
+        "return model": ["test_load_checkpoint_maps_devices_and_strips_prefixes"],
+    },
+    "task4_6": {
+        "(loss_fn(model(inputs), targets) / k).backward() for each micro-batch":
+            ["test_accumulate_gradients_syncs_once_and_equals_the_full_batch"],
+        "all but the last micro-batch, forward and backward, inside model.no_sync()":
+            ["test_accumulate_gradients_syncs_once_and_equals_the_full_batch"],
+        "the last one outside it: its backward all-reduces the sum once":
+            ["test_accumulate_gradients_syncs_once_and_equals_the_full_batch"],
+        "do not zero the gradients": ["test_accumulate_gradients_neither_zeroes_nor_steps"],
+        "do not step": ["test_accumulate_gradients_neither_zeroes_nor_steps"],
+    },
+    "task4_7": {
+        "every rank's model an exact copy of rank src's": [
+            "test_broadcast_initial_state_copies_parameters_and_buffers",
+            "test_broadcast_initial_state_writes_into_the_models_own_tensors"],
+        "every parameter": ["test_broadcast_initial_state_copies_parameters_and_buffers",
+                            "test_broadcast_initial_state_writes_into_the_models_own_tensors"],
+        "every buffer (BatchNorm's running statistics, its batch counter)": [
+            "test_broadcast_initial_state_copies_parameters_and_buffers",
+            "test_broadcast_initial_state_writes_into_the_models_own_tensors"],
+        "in place": ["test_broadcast_initial_state_writes_into_the_models_own_tensors"],
+    },
+}
 
 
 def lab(name: str):
@@ -211,6 +309,59 @@ def test_exact_accuracy_counts_every_sample_once():
             f"expected {shards}). Evaluate only this rank's shard, then all-reduce the sums")
 
 
+def exact_accuracy_seen_on_rank(ctx):
+    """exact_accuracy on lab 03's validation set with each sample's input scaled by 1 + its
+    index (the predictions, argmax, stay the same), so that the model's forward tells which
+    samples it evaluated, and whether autograd was recording."""
+    model, dataset = lab("03_padded_eval").validation_set()
+    inputs, targets = dataset.tensors
+    scale = 1 + torch.arange(len(inputs), dtype=inputs.dtype).unsqueeze(1)
+    dataset = torch.utils.data.TensorDataset(inputs * scale, targets)
+    seen = {"samples": [], "grad_enabled": []}
+
+    def note(module, args):
+        seen["samples"] += [round(v) - 1 for v in args[0].detach().amax(dim=1).tolist()]
+        seen["grad_enabled"].append(torch.is_grad_enabled())
+
+    model.register_forward_pre_hook(note)
+    ex = load_exercise(LESSON)
+    with CollectiveLog(ex) as log:
+        ex.exact_accuracy(model, dataset, batch_size=4)
+    return {**seen, "size": len(dataset), "collectives": [call.op for call in log.calls]}
+
+
+@pytest.mark.task4_1
+def test_exact_accuracy_evaluates_the_strided_shard():
+    results = run_on_ranks(exact_accuracy_seen_on_rank)
+    world = len(results)
+    for rank, result in enumerate(results):
+        shard = list(range(rank, result["size"], world))
+        assert sorted(result["samples"]) == shard, (
+            f"rank {rank} evaluated samples {sorted(result['samples'])}; its shard is "
+            f"range({rank}, {result['size']}, {world}) = {shard}: rank r evaluates samples r, "
+            f"r + W, r + 2W, ... (Subset(dataset, range(rank, len(dataset), world_size)))")
+
+
+@pytest.mark.task4_1
+def test_exact_accuracy_adds_the_counts_with_one_all_reduce():
+    results = run_on_ranks(exact_accuracy_seen_on_rank)
+    for rank, result in enumerate(results):
+        assert result["collectives"] == ["all_reduce"], (
+            f"rank {rank}: exact_accuracy ran {result['collectives'] or 'no collective'}; "
+            f"expected one all_reduce of one tensor holding both sums, correct predictions "
+            f"and samples (torch.tensor([correct, total])): one round trip, not one per number")
+
+@pytest.mark.task4_1
+def test_exact_accuracy_evaluates_under_no_grad():
+    results = run_on_ranks(exact_accuracy_seen_on_rank)
+    for rank, result in enumerate(results):
+        recording = sum(result["grad_enabled"])
+        assert not recording, (
+            f"rank {rank}: {recording} of the model's {len(result['grad_enabled'])} forwards "
+            f"ran with gradients enabled, so autograd kept a graph (and its activations) for "
+            f"every batch: evaluate under `with torch.no_grad():`")
+
+
 # ----------------------------------------------------------------------------- 4 · device
 
 
@@ -303,6 +454,18 @@ def test_pick_device_explains_bad_environments(ex):
         f"LOCAL_RANK=2 with 2 GPUs should name both: {too_many}")
 
 
+@pytest.mark.task4_2
+def test_pick_device_names_the_local_rank_and_the_gpu_count(ex):
+    too_many = runtime_error_from(
+        lambda: ex.pick_device({"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4"}, gpu_count=2),
+        "LOCAL_RANK=3 on a machine with 2 GPUs")
+    missing = [n for n in ("3", "2") if not re.search(rf"\b{n}\b", str(too_many))]
+    assert not missing, (
+        f"LOCAL_RANK=3 on a machine with 2 GPUs: the error should name both numbers, the "
+        f"local rank (3) and the GPU count (2), but {' and '.join(missing)} is missing: "
+        f"{too_many}")
+
+
 # ----------------------------------------------------------------------------- 5 · rank-0 barrier
 
 
@@ -321,8 +484,9 @@ def test_a_barrier_every_rank_calls_lets_training_go_on(tmp_path):
     assert (tmp_path / "checkpoint.pt").is_file()
 
 
-def saving_on_rank(ctx, folder: str) -> dict:
-    """Call save_on_rank0 with a slow torch.save that records what it writes, and where."""
+def saving_on_rank(ctx, folder: str, as_text: bool = False) -> dict:
+    """Call save_on_rank0 with a slow torch.save that records what it writes, and where;
+    ``as_text``: pass the path as a str (the contract takes a str or a path-like)."""
     path = Path(folder) / "model.pt"
     torch.manual_seed(0)
     if ctx.rank == 0:
@@ -352,7 +516,7 @@ def saving_on_rank(ctx, folder: str) -> dict:
 
     torch.save = slow_save
     try:
-        load_exercise(LESSON).save_on_rank0(model, path)
+        load_exercise(LESSON).save_on_rank0(model, str(path) if as_text else path)
     finally:
         torch.save = real_save
     read = readable(path)  # what this rank finds right after the call returns
@@ -371,10 +535,11 @@ def readable(path: Path):
 
 
 @pytest.mark.task4_3
-def test_save_on_rank0_writes_once_atomically_and_everyone_waits(tmp_path):
+@pytest.mark.parametrize("as_text", [False, True], ids=["Path", "str"])
+def test_save_on_rank0_writes_once_atomically_and_everyone_waits(tmp_path, as_text):
     try:
-        results = run_on_ranks(saving_on_rank, str(tmp_path), pg_timeout=GRADE_TIMEOUT,
-                               timeout=40)
+        results = run_on_ranks(saving_on_rank, str(tmp_path), as_text,
+                               pg_timeout=GRADE_TIMEOUT, timeout=40)
     except RankError as error:
         if "Timed out" not in str(error):
             raise AssertionError(f"save_on_rank0 failed on a rank (if several ranks write the "
@@ -425,6 +590,15 @@ def test_join_lets_uneven_ranks_finish_with_equal_weights():
                  "final weight after Join", rank=1)
 
 
+def mse_of_output_and_target(output, target):
+    """``nn.functional.mse_loss``, which checks that it is called as ``loss_fn(output, target)``:
+    MSE itself is symmetric, the losses a learner passes (cross-entropy) are not."""
+    if target.requires_grad or not output.requires_grad:
+        raise AssertionError("loss_fn was called as loss_fn(targets, model(inputs)): call it "
+                             "as loss_fn(model(inputs), targets), the model's output first")
+    return nn.functional.mse_loss(output, target)
+
+
 def joining_on_rank(ctx) -> dict:
     generator = torch.Generator().manual_seed(ctx.rank)
     batches = [(torch.randn(4, 3, generator=generator), torch.randn(4, 1, generator=generator))
@@ -433,7 +607,7 @@ def joining_on_rank(ctx) -> dict:
     model = DDP(nn.Linear(3, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = load_exercise(LESSON).train_with_join(model, batches, optimizer,
-                                                  nn.functional.mse_loss)
+                                                  mse_of_output_and_target)
     torch.manual_seed(0)
     reference = DDP(nn.Linear(3, 1))
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -575,6 +749,91 @@ def test_load_checkpoint_accepts_plain_keys_and_rejects_wrong_ones(ex, tmp_path)
     assert "bias" in str(error), f"the error should name the missing key: {error}"
 
 
+CODE_RAN: list[str] = []  # what the checkpoint below ran when it was unpickled
+
+
+def code_run_by_unpickling(state: dict) -> dict:
+    CODE_RAN.append("ran")
+    return state
+
+
+class RunsCodeWhenLoaded:
+    """Pickled as a call to code_run_by_unpickling: any function a file names runs when
+    ``torch.load(..., weights_only=False)`` unpickles it."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def __reduce__(self):
+        return code_run_by_unpickling, (self.state,)
+
+
+@pytest.mark.task4_5
+def test_load_checkpoint_refuses_a_checkpoint_that_runs_code(ex, tmp_path):
+    torch.manual_seed(0)
+    state = {f"module.{k}": v for k, v in nn.Linear(4, 2).state_dict().items()}
+    path = tmp_path / "runs_code.pt"
+    torch.save(RunsCodeWhenLoaded(state), path)
+    CODE_RAN.clear()
+    try:
+        ex.load_checkpoint(path, nn.Linear(4, 2), torch.device("cpu"))
+    except NotImplementedError:
+        raise
+    except Exception:  # noqa: BLE001 - refusing the file, however it says so, is right
+        refused = True
+    else:
+        refused = False
+    assert not CODE_RAN, (
+        "load_checkpoint ran a function named in the checkpoint file: torch.load with "
+        "weights_only=False unpickles anything, and unpickling can call any function. Pass "
+        "weights_only=True: it loads tensors and plain containers only")
+    assert refused, ("load_checkpoint loaded a checkpoint holding more than tensors and plain "
+                     "containers: torch.load(..., weights_only=True) refuses it")
+
+
+@pytest.mark.task4_5
+def test_load_checkpoint_rejects_an_unexpected_key(ex, tmp_path):
+    torch.manual_seed(0)
+    trained = nn.Linear(4, 2)
+    extra = tmp_path / "extra.pt"
+    torch.save({**{f"module.{k}": v for k, v in trained.state_dict().items()},
+                "module.scale": torch.ones(2)}, extra)
+    error = runtime_error_from(
+        lambda: ex.load_checkpoint(extra, nn.Linear(4, 2), torch.device("cpu")),
+        "load_state_dict is strict: an unexpected key 'scale' is an error too (a checkpoint "
+        "of another model)")
+    assert "scale" in str(error), f"the error should name the unexpected key 'scale': {error}"
+
+
+class Wrapper(nn.Module):
+    """A model whose own submodule is called ``module``: its plain keys start with 'module.'."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(4, 2)
+
+
+@pytest.mark.task4_5
+def test_load_checkpoint_strips_only_the_leading_prefix(ex, tmp_path):
+    torch.manual_seed(0)
+    trained = Wrapper()
+    path = tmp_path / "ddp_of_wrapper.pt"
+    torch.save({f"module.{k}": v for k, v in trained.state_dict().items()}, path)
+    try:
+        loaded = ex.load_checkpoint(path, Wrapper(), torch.device("cpu"))
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the learner's error is the finding
+        raise AssertionError(
+            f"loading the DDP checkpoint of a model whose own submodule is called 'module' "
+            f"(keys {sorted(f'module.{k}' for k in trained.state_dict())}) failed: strip the "
+            f"leading 'module.' once, not every 'module.' in the key: "
+            f"key.removeprefix('module.'). ({type(error).__name__}: "
+            f"{' '.join(str(error).split())[:300]})") from None
+    assert_parameters_close(loaded, trained, what="parameter of a model with a submodule "
+                                                  "called 'module'")
+
+
 # ----------------------------------------------------------------------------- 10 · no_sync
 
 
@@ -612,7 +871,7 @@ def accumulating_on_rank(ctx, k: int) -> dict:
     next(model.module.parameters()).register_post_accumulate_grad_hook(
         lambda param: synced["backward"].append(model.require_backward_grad_sync))
     batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in lab10.micro_batches(ctx.rank, k)]
-    load_exercise(LESSON).accumulate_gradients(model, batches, nn.functional.mse_loss)
+    load_exercise(LESSON).accumulate_gradients(model, batches, mse_of_output_and_target)
     parameters = sum(p.numel() for p in model.parameters())
     return {"gradients": {n: p.grad for n, p in model.module.named_parameters()},
             "rounds": counter["elements"] / parameters, **synced}
@@ -666,6 +925,50 @@ def test_accumulate_gradients_syncs_once_and_equals_the_full_batch(group):
                                      "(divide each micro-batch loss by k)")
 
 
+EARLIER_GRADIENT = 0.25  # what the caller's earlier backwards left in every .grad, on every rank
+
+
+def accumulating_onto_earlier_gradients(ctx, k: int) -> dict:
+    lab10 = lab("10_no_sync")
+    model = DDP(lab10.make_model())
+    for p in model.parameters():
+        p.grad = torch.full_like(p, EARLIER_GRADIENT)
+    weights = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    load_exercise(LESSON).accumulate_gradients(model, lab10.micro_batches(ctx.rank, k),
+                                               mse_of_output_and_target)
+    return {"gradients": {n: p.grad for n, p in model.module.named_parameters()},
+            "weights_before": weights,
+            "weights_after": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+
+
+@pytest.mark.task4_6
+def test_accumulate_gradients_neither_zeroes_nor_steps():
+    k = 4
+    results = run_on_ranks(accumulating_onto_earlier_gradients, k)
+    lab10 = lab("10_no_sync")
+    reference = lab10.make_model()
+    everything = [b for r in range(len(results)) for b in lab10.micro_batches(r, k)]
+    inputs, targets = (torch.cat(parts) for parts in zip(*everything, strict=True))
+    nn.functional.mse_loss(reference(inputs), targets).backward()
+    for rank, r in enumerate(results):
+        for name, before in r["weights_before"].items():
+            assert torch.equal(r["weights_after"][name], before), (
+                f"rank {rank}: accumulate_gradients changed the weight {name!r}: do not step, "
+                f"the caller steps once the gradients are accumulated")
+        for name, p in reference.named_parameters():
+            got = r["gradients"][name]
+            assert got is not None, f"rank {rank}: {name!r} has no gradient after the call"
+            if torch.allclose(got, p.grad, rtol=1e-4, atol=1e-6):
+                raise AssertionError(
+                    f"rank {rank}: the gradient of {name!r} holds only this call's micro-batches: "
+                    f"what the caller had accumulated before ({EARLIER_GRADIENT} in every "
+                    f"element) is gone. Do not zero the gradients: the caller does, before its "
+                    f"first micro-batch")
+            assert_close(got, p.grad + EARLIER_GRADIENT,
+                         f"gradient of {name!r}: the caller's earlier gradient plus this call's",
+                         rank=rank)
+
+
 # ----------------------------------------------------------------------------- 11 · sum loss
 
 
@@ -707,13 +1010,16 @@ def broadcasting_on_rank(ctx, src: int) -> dict:
         model[1].running_mean.normal_()
         model[1].num_batches_tracked += ctx.rank + 1
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    load_exercise(LESSON).broadcast_initial_state(model, src=src)
+    if src is None:  # the default: rank 0's state
+        load_exercise(LESSON).broadcast_initial_state(model)
+    else:
+        load_exercise(LESSON).broadcast_initial_state(model, src=src)
     return {"before": before, "after": model.state_dict(),
             "buffers": [name for name, _ in model.named_buffers()]}
 
 
 @pytest.mark.task4_7
-@pytest.mark.parametrize("src", [0, 1])
+@pytest.mark.parametrize("src", [0, 1, None], ids=["src=0", "src=1", "default"])
 def test_broadcast_initial_state_copies_parameters_and_buffers(src):
     try:
         results = run_on_ranks(broadcasting_on_rank, src, pg_timeout=GRADE_TIMEOUT, timeout=40)
@@ -725,12 +1031,43 @@ def test_broadcast_initial_state_copies_parameters_and_buffers(src):
             f"timeout {GRADE_TIMEOUT} s): every rank must call dist.broadcast with the same src, "
             f"the rank whose values everyone copies (src=src, not dist.get_rank()), and the "
             f"same tensors in the same order.\n{error}") from None
-    source = results[src]["before"]
+    source = results[src or 0]["before"]
+    called = "without src (the default is rank 0)" if src is None else f"from rank {src}"
     for rank, r in enumerate(results):
         for name, tensor in source.items():
             kind = "buffer" if name in r["buffers"] else "parameter"
-            assert_close(r["after"][name], tensor,
-                         f"{kind} {name} after broadcasting from rank {src}", rank=rank)
+            assert_close(r["after"][name], tensor, f"{kind} {name} after broadcasting {called}",
+                         rank=rank)
+
+
+def broadcasting_in_place_on_rank(ctx, src: int) -> dict:
+    torch.manual_seed(10 + ctx.rank)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    held = model.state_dict(keep_vars=True)  # the very tensors (an optimizer holds the same)
+    before = {k: v.detach().clone() for k, v in held.items()}
+    load_exercise(LESSON).broadcast_initial_state(model, src=src)
+    now = model.state_dict(keep_vars=True)
+    return {"before": before, "held_after": {k: v.detach().clone() for k, v in held.items()},
+            "replaced": [k for k in held if now[k] is not held[k]],
+            "buffers": [name for name, _ in model.named_buffers()]}
+
+
+@pytest.mark.task4_7
+def test_broadcast_initial_state_writes_into_the_models_own_tensors():
+    results = run_on_ranks(broadcasting_in_place_on_rank, 1, pg_timeout=GRADE_TIMEOUT,
+                           timeout=40)
+    source = results[1]["before"]
+    for rank, r in enumerate(results):
+        for name, tensor in source.items():
+            kind = "buffer" if name in r["buffers"] else "parameter"
+            if not torch.equal(r["held_after"][name], tensor):
+                replaced = (f" (the model now holds another tensor as {name})"
+                            if name in r["replaced"] else "")
+                raise AssertionError(
+                    f"rank {rank}: the tensor that was the model's {kind} {name} before the "
+                    f"call does not hold rank 1's values after it{replaced}: broadcast into "
+                    f"the model's own tensors, in place (dist.broadcast(tensor, src) "
+                    f"overwrites tensor); an optimizer built before the call holds them")
 
 
 # ----------------------------------------------------------------------------- 13 · BatchNorm
@@ -773,9 +1110,19 @@ def test_progress_printed_by_rank_0_only(fix):
 # ----------------------------------------------------------------------------- launches
 # Every real launch of this lesson (the notebook lab, the printing lab under torchrun, the
 # doctor), started together: most of a launch is Python importing torch, which overlaps well.
-# They start when the first test below needs them, after the pooled checks, which time things.
+# They start before the module's first test (start_launches_first), so that their imports also
+# overlap the pooled checks' waits on a short process-group timeout.
 
 NOTEBOOK_LAB = f"lessons/{LESSON}/labs/14_notebooks.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_launches_first(request):
+    """Start the launches before the module's first test when any selected test needs them:
+    their seconds of importing torch then overlap the pooled checks' waits on timeouts."""
+    if any("launches" in item.fixturenames for item in request.session.items
+           if item.module is request.module):
+        request.getfixturevalue("launches")
 
 
 @pytest.fixture(scope="module")

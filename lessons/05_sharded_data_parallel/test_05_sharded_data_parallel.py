@@ -57,6 +57,150 @@ ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 SGD = {"lr": 0.5}
 ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken (tests/test_course.py checks the names).  # noqa: E501
+CLAUSES = {
+    "task5_1": {
+        "stage 0 keeps everything whole on every rank":
+            ["test_memory_per_rank", "test_memory_per_rank_for_any_setup",
+             "test_memory_per_rank_reproduces_the_zero_papers_figure"],
+        "stage 1 shards the optimizer state across the world_size ranks":
+            ["test_memory_per_rank", "test_memory_per_rank_for_any_setup",
+             "test_memory_per_rank_reproduces_the_zero_papers_figure"],
+        "stage 2 the gradients as well":
+            ["test_memory_per_rank", "test_memory_per_rank_for_any_setup",
+             "test_memory_per_rank_reproduces_the_zero_papers_figure"],
+        "stage 3 the parameters as well":
+            ["test_memory_per_rank", "test_memory_per_rank_for_any_setup",
+             "test_memory_per_rank_reproduces_the_zero_papers_figure"],
+        "a sharded quantity takes ceil(num_params / world_size) elements":
+            ["test_memory_per_rank", "test_memory_per_rank_for_any_setup"],
+        "each parameter in param_bytes, its gradient in grad_bytes, optimizer_bytes of state":
+            ["test_memory_per_rank", "test_memory_per_rank_for_any_setup",
+             "test_memory_per_rank_reproduces_the_zero_papers_figure"],
+        "returns parameters, gradients, optimizer_state and total":
+            ["test_memory_per_rank", "test_memory_per_rank_for_any_setup",
+             "test_memory_per_rank_reproduces_the_zero_papers_figure"],
+        "whole numbers of bytes": ["test_memory_per_rank_counts_whole_bytes"],
+        "a stage other than 0-3 raises ValueError":
+            ["test_memory_per_rank_rejects_what_is_not_a_setup"],
+        "world_size < 1 raises ValueError": ["test_memory_per_rank_rejects_what_is_not_a_setup"],
+        "num_params < 0 raises ValueError": ["test_memory_per_rank_rejects_what_is_not_a_setup"],
+    },
+    "task5_2": {
+        "reduce_scatter_mean: tensor is flattened and zero-padded":
+            ["test_reduce_scatter_mean_and_all_gather_pieces"],
+        "reduce_scatter_mean: reduce_scatter_single gives this rank the sum of its piece":
+            ["test_reduce_scatter_mean_and_all_gather_pieces"],
+        "reduce_scatter_mean: dividing by the world size makes it the mean":
+            ["test_reduce_scatter_mean_and_all_gather_pieces",
+             "test_hand_zero_keeps_the_gradient_scale_of_ddp"],
+        "reduce_scatter_mean: returns a 1-D tensor of shard_size elements, padding included":
+            ["test_reduce_scatter_mean_and_all_gather_pieces"],
+        "all_gather_pieces: piece is its real elements or the whole padded piece; zero-pad it":
+            ["test_reduce_scatter_mean_and_all_gather_pieces"],
+        "all_gather_pieces: all_gather_single every rank's piece, in rank order":
+            ["test_reduce_scatter_mean_and_all_gather_pieces"],
+        "all_gather_pieces: return its first numel":
+            ["test_reduce_scatter_mean_and_all_gather_pieces"],
+        "Zero1Optimizer: this rank's piece as a view of the parameter's own memory":
+            ["test_zero1_trains_like_ddp_and_shards_the_optimizer_state",
+             "test_hand_zero_builds_adamw_on_views_of_this_ranks_pieces"],
+        "Zero1Optimizer: self.optimizer = optimizer_class(those views, **defaults)":
+            ["test_zero1_trains_like_ddp_and_shards_the_optimizer_state",
+             "test_hand_zero_builds_adamw_on_views_of_this_ranks_pieces"],
+        "Zero1Optimizer: optimizer_class=torch.optim.AdamW by default":
+            ["test_hand_zero_builds_adamw_on_views_of_this_ranks_pieces"],
+        "Zero1Optimizer: parameters and their gradients stay whole, as in DDP":
+            ["test_zero1_trains_like_ddp_and_shards_the_optimizer_state"],
+        "Zero1Optimizer.step: reduce_scatter_mean each gradient, real elements to the view's .grad":
+            ["test_zero1_trains_like_ddp_and_shards_the_optimizer_state",
+             "test_hand_zero_keeps_the_gradient_scale_of_ddp"],
+        "Zero1Optimizer.step: the whole gradient is not needed again: param.grad = None":
+            ["test_hand_zero_step_needs_a_backward_since_the_last_step",
+             "test_hand_zero_step_lets_go_of_every_gradient"],
+        "Zero1Optimizer.step: self.optimizer.step(), then the views' .grad to None":
+            ["test_zero1_trains_like_ddp_and_shards_the_optimizer_state",
+             "test_hand_zero_step_lets_go_of_every_gradient"],
+        "Zero1Optimizer.step: all_gather_pieces the updated views into every parameter":
+            ["test_zero1_trains_like_ddp_and_shards_the_optimizer_state"],
+        "Zero1Optimizer.step: a parameter without a gradient raises RuntimeError":
+            ["test_hand_zero_step_before_backward_is_a_clear_error",
+             "test_hand_zero_names_the_first_parameter_without_a_gradient"],
+        "Zero1Optimizer.step: the RuntimeError names it (its index and shape)":
+            ["test_hand_zero_names_the_first_parameter_without_a_gradient"],
+        "Zero1Optimizer.step: it raises before any collective":
+            ["test_hand_zero_step_before_backward_is_a_clear_error"],
+        "Zero1Optimizer.zero_grad(set_to_none=True) clears the parameters' gradients":
+            ["test_hand_zero_zero_grad_forgets_an_earlier_backward",
+             "test_zero1_zero_grad_sets_to_none_by_default_and_zeros_when_asked"],
+    },
+    "task5_3": {
+        "pieces as views and an inner self.optimizer over them, exactly as Zero1Optimizer":
+            ["test_zero2_trains_like_ddp_and_shards_the_gradients",
+             "test_hand_zero_builds_adamw_on_views_of_this_ranks_pieces"],
+        "a post-accumulate-grad hook on each parameter reduce_scatter_means its gradient":
+            ["test_zero2_trains_like_ddp_and_shards_the_gradients"],
+        "the hook adds the real elements of this rank's piece to the view's .grad":
+            ["test_accumulated_backwards_then_one_step_equal_ddp_with_no_sync"],
+        "the hook frees the whole gradient at once: param.grad = None":
+            ["test_zero2_trains_like_ddp_and_shards_the_gradients"],
+        "step(): every parameter must have been reduced since the last step, else RuntimeError":
+            ["test_hand_zero_step_before_backward_is_a_clear_error",
+             "test_hand_zero_step_needs_a_backward_since_the_last_step",
+             "test_hand_zero_names_the_first_parameter_without_a_gradient"],
+        "the RuntimeError names the first that was not (its index and shape)":
+            ["test_hand_zero_names_the_first_parameter_without_a_gradient"],
+        "raised before any collective": ["test_hand_zero_step_before_backward_is_a_clear_error"],
+        "step(): step the inner optimizer, set the views' .grad to None":
+            ["test_zero2_trains_like_ddp_and_shards_the_gradients",
+             "test_hand_zero_step_needs_a_backward_since_the_last_step",
+             "test_hand_zero_step_lets_go_of_every_gradient"],
+        "step(): all-gather the pieces back into the whole parameters":
+            ["test_zero2_trains_like_ddp_and_shards_the_gradients"],
+        "zero_grad() clears the pieces' .grad as well as the parameters'":
+            ["test_hand_zero_zero_grad_forgets_an_earlier_backward"],
+        "remove() removes the hooks": ["test_zero2_remove_takes_its_hooks_off"],
+    },
+    "task5_4": {
+        "check that it is the same on every rank: names and shapes, all_gather_object":
+            ["test_shard_model_refuses_a_rank_with_another_model"],
+        "raise ValueError naming the first rank that differs from rank 0":
+            ["test_shard_model_refuses_a_rank_with_another_model"],
+        "and the first parameter where it differs":
+            ["test_shard_model_names_the_first_parameter_that_differs"],
+        "a mesh over all ranks: init_device_mesh(<the parameters' device type>, (world_size,))":
+            ["test_shard_model_trains_like_ddp"],
+        "fully_shard each block first, then the root": [
+            "test_shard_model_trains_like_ddp",
+            "test_reshard_after_forward_trades_memory_for_an_all_gather"],
+        "each block's fully_shard gets reshard_after_forward":
+            ["test_reshard_after_forward_trades_memory_for_an_all_gather"],
+        "mp_policy given is passed to every fully_shard":
+            ["test_shard_model_passes_the_mp_policy_to_every_fully_shard"],
+        "MixedPrecisionPolicy() (no mixed precision) when mp_policy is None":
+            ["test_shard_model_trains_like_ddp"],
+        "leave the root's reshard_after_forward to FSDP":
+            ["test_reshard_after_forward_trades_memory_for_an_all_gather"],
+        "return it": ["test_shard_model_trains_like_ddp"],
+    },
+    "task5_5": {
+        "AllGatherShard forward: all_gather_pieces the whole parameter, viewed as shape":
+            ["test_all_gather_shard_forward_and_backward"],
+        "AllGatherShard backward: reduce_scatter_mean the gradient; None for shape":
+            ["test_all_gather_shard_forward_and_backward"],
+        "Zero3Blocks: this rank's padded piece of each parameter, in named_parameters order":
+            ["test_zero3_blocks_train_like_ddp_and_free_what_they_gather"],
+        "as nn.Parameters in self.shards (an nn.ParameterList)":
+            ["test_zero3_blocks_train_like_ddp_and_free_what_they_gather"],
+        "self.blocks = blocks.to('meta')":
+            ["test_zero3_blocks_train_like_ddp_and_free_what_they_gather"],
+        "forward: each block's parameters gathered with AllGatherShard, run by functional_call":
+            ["test_zero3_blocks_train_like_ddp_and_free_what_they_gather"],
+        "that gather-and-forward under checkpoint(..., use_reentrant=False)":
+            ["test_zero3_blocks_train_like_ddp_and_free_what_they_gather"],
+    },
+}
+
 
 @pytest.fixture
 def ex():
@@ -333,6 +477,23 @@ def test_memory_per_rank_rejects_what_is_not_a_setup(ex, arguments):
     raise AssertionError(f"memory_per_rank({arguments}) returned {got}: raise ValueError, "
                          f"there are stages 0 to 3, at least one rank and no fewer than 0 "
                          f"parameters")
+
+
+@pytest.mark.task5_1
+@pytest.mark.parametrize("arguments,stage,expected", FORMULA_CASES[1:2] + FORMULA_CASES[4:6],
+                         ids=["divisible-stage1", "padded-stage2", "padded-stage3"])
+def test_memory_per_rank_counts_whole_bytes(ex, arguments, stage, expected):
+    """Whole numbers: 446,464.0 equals 446,464, but a float in a table of bytes is a division
+    that should have been a ceiling (or a // that lost its padding)."""
+    got = ex.memory_per_rank(**arguments, stage=stage)
+    call = formula_call(arguments, stage)
+    assert isinstance(got, dict), f"{call} returned {type(got).__name__}, not a dict"
+    floats = {key: value for key, value in got.items()
+              if not isinstance(value, int) or isinstance(value, bool)}
+    assert not floats, (
+        f"{call} gives {floats}: bytes are whole numbers, ints. Count the elements of a shard "
+        f"with integer arithmetic, ceil(num_params / world_size) = -(-num_params // "
+        f"world_size), not with /")
 
 
 # ----------------------------------------------------------------------------- the collectives
@@ -707,6 +868,196 @@ def test_hand_zero_step_before_backward_is_a_clear_error(ex, method, graded):
     assert_step_before_backward_refused(outcomes, graded)
 
 
+def two_layers() -> nn.Module:
+    """Parameters 0 to 3 of shapes (6, 5), (6,), (7, 6) and (7,)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 7))
+
+
+def refused_step(ctx, method: str, before: str):
+    """What ``step()`` does after ``before``: "half", a backward through the first layer only
+    (parameters 2 and 3 get no gradient), or "step", a full backward and a step. As in
+    step_before_backward: ("RuntimeError", message, collectives before it), another error,
+    or None."""
+    ex = load_exercise(LESSON)
+    model = two_layers()
+    wrapper = ex.Zero1Optimizer if method == "zero1" else ex.Zero2Optimizer
+    optimizer = wrapper(model.parameters(), torch.optim.SGD, **SGD)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(ctx.rank))
+    try:
+        if before == "half":
+            model[0](x).square().mean().backward()
+        else:
+            model(x).square().mean().backward()
+            optimizer.step()
+        with CollectiveLog(ex) as log:
+            try:
+                optimizer.step()
+            except NotImplementedError:
+                raise
+            except RuntimeError as error:
+                return ("RuntimeError", str(error), log.summary() if log.calls else "")
+            except Exception as error:  # noqa: BLE001 - the wrong kind of error is the finding
+                return (type(error).__name__, str(error), "")
+        return None
+    finally:
+        if hasattr(optimizer, "remove"):
+            optimizer.remove()
+
+
+@pytest.mark.parametrize("method,graded", HAND_ZERO)
+def test_hand_zero_names_the_first_parameter_without_a_gradient(ex, method, graded):
+    """A backward through the first layer only: parameter 2, shape (7, 6), is the first without
+    a gradient, and the error says which, by index and shape."""
+    raise_if_untouched(getattr(ex, graded).step)  # a stub: not attempted, without ranks
+    outcomes = run_on_ranks(refused_step, method, "half", world_size=2, timeout=20,
+                            pg_timeout=5.0)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome is not None, (
+            f"rank {rank}: {graded}.step() returned although parameters 2 and 3 got no "
+            f"gradient (the backward ran through the first layer only): check every "
+            f"parameter, and raise RuntimeError naming the first without one")
+        kind, message, collectives = outcome
+        assert kind == "RuntimeError", (
+            f"rank {rank}: {graded}.step() with parameter 2 lacking a gradient raised {kind}: "
+            f"{message}; raise RuntimeError naming it")
+        index = re.search(r"\b2\b", message)
+        shape = re.search(r"\b7\D{1,4}6\b", message)
+        assert index and shape, (
+            f"rank {rank}: the first parameter without a gradient is parameter 2, of shape "
+            f"(7, 6); the RuntimeError should name its "
+            f"{'index and shape' if not (index or shape) else 'shape' if index else 'index'}:"
+            f" {message!r}")
+        assert not collectives, (
+            f"rank {rank}: {graded}.step() called {collectives} before refusing: check every "
+            f"gradient before the first collective")
+
+
+@pytest.mark.parametrize("method,graded", HAND_ZERO)
+def test_hand_zero_step_needs_a_backward_since_the_last_step(ex, method, graded):
+    """A second step() with no backward() since the first has no gradient to step on: the
+    first step used them up and let them go."""
+    raise_if_untouched(getattr(ex, graded).step)  # a stub: not attempted, without ranks
+    outcomes = run_on_ranks(refused_step, method, "step", world_size=2, timeout=20,
+                            pg_timeout=5.0)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome is not None, (
+            f"rank {rank}: a second {graded}.step() with no backward() since the first "
+            f"returned: it stepped again on gradients the first step had already used. After "
+            f"the step no gradient is left (param.grad = None once reduced, the pieces' .grad "
+            f"= None after the inner step), so the check finds none and raises RuntimeError")
+        kind, message, collectives = outcome
+        assert kind == "RuntimeError", (
+            f"rank {rank}: a second {graded}.step() with no backward() since the first raised "
+            f"{kind}: {message}; raise RuntimeError saying to call backward() first")
+        assert not collectives, (
+            f"rank {rank}: the second {graded}.step() called {collectives} before refusing: "
+            f"check every gradient before the first collective")
+
+
+def hand_zero_built(ctx, method: str) -> dict:
+    """A hand ZeRO optimizer built with the default optimizer_class, on this rank: its inner
+    optimizer, and whether those are views of this rank's pieces; then what one backward and
+    one step leave behind."""
+    ex = load_exercise(LESSON)
+    model = two_layers()
+    wrapper = ex.Zero1Optimizer if method == "zero1" else ex.Zero2Optimizer
+    optimizer = wrapper(model.parameters(), lr=0.01, weight_decay=0.5)
+    try:
+        inner = optimizer.optimizer
+        views = [p for group in inner.param_groups for p in group["params"]]
+        out = {"inner": type(inner).__name__,
+               "settings": [(group["lr"], group["weight_decay"]) for group in inner.param_groups],
+               "views": []}
+        for param, view in zip(model.parameters(), views, strict=False):
+            start, end = piece_bounds(param.numel(), ctx.world_size, ctx.rank)
+            shares = view.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+            offset = view.storage_offset() - param.storage_offset()
+            out["views"].append({"numel": view.numel(), "expected": end - start,
+                                 "view_of_param": shares, "offset": offset, "start": start})
+        out["view_count"] = len(views)
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(ctx.rank))
+        model(x).square().mean().backward()
+        optimizer.step()
+        out["param_grads_left"] = [i for i, p in enumerate(model.parameters())
+                                   if p.grad is not None]
+        out["view_grads_left"] = [i for i, v in enumerate(views) if v.grad is not None]
+        return out
+    finally:
+        if hasattr(optimizer, "remove"):
+            optimizer.remove()
+
+
+@pytest.mark.parametrize("method,graded", HAND_ZERO)
+def test_hand_zero_builds_adamw_on_views_of_this_ranks_pieces(ex, method, graded):
+    """``{graded}(params, **defaults)``: the inner optimizer is AdamW by default, given the
+    settings, over views of this rank's pieces of the parameters' own memory."""
+    raise_if_untouched(getattr(ex, graded).__init__)  # a stub: not attempted, without ranks
+    results = run_on_ranks(hand_zero_built, method, world_size=2)
+    for rank, got in enumerate(results):
+        assert got["inner"] == "AdamW", (
+            f"rank {rank}: {graded}(params, lr=0.01, weight_decay=0.5) built a {got['inner']} "
+            f"as self.optimizer: optimizer_class defaults to torch.optim.AdamW")
+        assert all(s == (0.01, 0.5) for s in got["settings"]), (
+            f"rank {rank}: the inner optimizer's (lr, weight_decay) are {got['settings']}, not "
+            f"(0.01, 0.5): pass **defaults on to optimizer_class")
+        assert got["view_count"] == 4, (
+            f"rank {rank}: the inner optimizer holds {got['view_count']} tensors; expected one "
+            f"piece of each of the 4 parameters")
+        for index, view in enumerate(got["views"]):
+            assert view["numel"] == view["expected"], (
+                f"rank {rank}: the inner optimizer's piece of parameter {index} has "
+                f"{view['numel']} elements; this rank's piece (shard_bounds) has "
+                f"{view['expected']}")
+            assert view["view_of_param"] and view["offset"] == view["start"], (
+                f"rank {rank}: the inner optimizer's piece of parameter {index} is not a view "
+                f"of the parameter's own memory at element {view['start']}: use "
+                f"param.detach().view(-1)[start:end], so that stepping it updates the "
+                f"parameter in place, with no second copy of the shard")
+
+
+@pytest.mark.parametrize("method,graded", HAND_ZERO)
+def test_hand_zero_step_lets_go_of_every_gradient(ex, method, graded):
+    """After step(): no whole gradient (reduced, it is not needed again) and no piece's
+    gradient (stepped, likewise) is left."""
+    raise_if_untouched(getattr(ex, graded).step)  # a stub: not attempted, without ranks
+    results = run_on_ranks(hand_zero_built, method, world_size=2)
+    for rank, got in enumerate(results):
+        assert not got["param_grads_left"], (
+            f"rank {rank}: after {graded}.step() parameters {got['param_grads_left']} still "
+            f"hold their whole gradients: once reduce-scattered they are not needed again, "
+            f"param.grad = None")
+        assert not got["view_grads_left"], (
+            f"rank {rank}: after {graded}.step() the pieces of parameters "
+            f"{got['view_grads_left']} still hold their gradients: once stepped, set each "
+            f"view's .grad to None")
+
+
+def backward_after_remove(ctx) -> dict:
+    ex = load_exercise(LESSON)
+    model = two_layers()
+    optimizer = ex.Zero2Optimizer(model.parameters(), torch.optim.SGD, **SGD)
+    optimizer.remove()
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(ctx.rank))
+    with CollectiveLog(ex) as log:
+        model(x).square().mean().backward()
+    return {"collectives": log.summary() if log.calls else "",
+            "whole": [p.grad is not None and p.grad.shape == p.shape
+                      for p in model.parameters()]}
+
+
+@pytest.mark.task5_3
+def test_zero2_remove_takes_its_hooks_off(ex):
+    raise_if_untouched(ex.Zero2Optimizer.remove)  # a stub: not attempted, without ranks
+    results = run_on_ranks(backward_after_remove, world_size=2, timeout=20, pg_timeout=5.0)
+    for rank, got in enumerate(results):
+        assert not got["collectives"] and all(got["whole"]), (
+            f"rank {rank}: after remove(), a backward still ran the hooks "
+            f"({got['collectives'] or 'no collective'}; whole gradients kept: {got['whole']}): "
+            f"remove() must call .remove() on every handle register_post_accumulate_grad_hook "
+            f"returned")
+
+
 # Shares of different sizes, and parameters smaller than the world: each method beside DDP.
 EDGE_METHODS = [pytest.param("zero1", "Zero1Optimizer", marks=pytest.mark.task5_2, id="zero1"),
                 pytest.param("zero2", "Zero2Optimizer", marks=pytest.mark.task5_3, id="zero2"),
@@ -802,6 +1153,39 @@ def test_hand_zero_zero_grad_forgets_an_earlier_backward(ex, method, graded):
                                         "parameters'") from None
 
 
+def zero1_gradients_after_zero_grad(ctx) -> dict:
+    """What ``zero_grad()`` and ``zero_grad(set_to_none=False)`` leave after a backward."""
+    ex = load_exercise(LESSON)
+    model = make_gpt()
+    optimizer = build_hand_zero(ex, "zero1", model, "sgd")
+    seen = {}
+    for label, call in (("zero_grad()", lambda: optimizer.zero_grad()),
+                        ("zero_grad(set_to_none=False)",
+                         lambda: optimizer.zero_grad(set_to_none=False))):
+        inputs, targets = my_share(ctx, 0)
+        model(inputs, targets)[1].backward()
+        call()
+        seen[label] = {name: (None if p.grad is None else float(p.grad.abs().sum()))
+                       for name, p in model.named_parameters()}
+    return seen
+
+
+@pytest.mark.task5_2
+def test_zero1_zero_grad_sets_to_none_by_default_and_zeros_when_asked(ex):
+    """As any optimizer's: ``zero_grad()`` leaves no gradient, ``set_to_none=False`` zeros."""
+    raise_if_untouched(ex.Zero1Optimizer.zero_grad)
+    results = run_on_ranks(zero1_gradients_after_zero_grad, world_size=2)
+    for rank, seen in enumerate(results):
+        kept = [name for name, grad in seen["zero_grad()"].items() if grad is not None]
+        assert not kept, (f"rank {rank}: after zero_grad(), {kept[0]} still has a .grad: the "
+                          f"default is set_to_none=True, as for any torch optimizer")
+        left = {name: grad for name, grad in seen["zero_grad(set_to_none=False)"].items()
+                if grad != 0.0}
+        assert not left, (f"rank {rank}: after zero_grad(set_to_none=False), {left}: each "
+                          f"gradient must be zeros (None only where there was none), as for any "
+                          f"torch optimizer")
+
+
 @pytest.mark.parametrize("method,graded", EDGE_METHODS)
 def test_shares_of_different_sizes_train_as_ddp_does(ex, method, graded):
     """When the world size does not divide the batch, the ranks read shares of different sizes
@@ -846,7 +1230,9 @@ def fsdp_forward_and_backward(ctx, reshard_after_forward: bool):
     """One step of the learner's shard_model: what a rank holds at the end of the forward, and
     the collectives of the step."""
     ex = load_exercise(LESSON)
-    model = sharded_by(ex, make_gpt(), reshard_after_forward=reshard_after_forward)
+    # True is the default: that case calls shard_model(model) without it, so both are graded.
+    options = {} if reshard_after_forward else {"reshard_after_forward": False}
+    model = sharded_by(ex, make_gpt(), **options)
     inputs, targets = my_share(ctx, 0)
     with CollectiveLog(ex) as log:
         _, loss = model(inputs, targets)
@@ -866,12 +1252,14 @@ def dim0_padded_bytes(module: nn.Module, world: int) -> int:
 
 @pytest.mark.task5_4
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["default-reshard", "keep"])
 def test_reshard_after_forward_trades_memory_for_an_all_gather(ex, world, reshard):
     """The text's claim: with reshard_after_forward=True a block's gathered parameters are freed
     after its forward and gathered again for its backward; with False they stay until then."""
     raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
     results = run_on_ranks(fsdp_forward_and_backward, reshard, world_size=world)
+    called = ("shard_model(model), reshard_after_forward's default (True)" if reshard
+              else "reshard_after_forward=False")
     model = make_gpt()
     blocks = len(model.blocks)
     psi = num_params(model)
@@ -891,7 +1279,7 @@ def test_reshard_after_forward_trades_memory_for_an_all_gather(ex, world, reshar
                2 + 2 * blocks: ": the root was gathered again for backward: leave the root's "
                                "reshard_after_forward to FSDP, which keeps it gathered"}
         assert got == gathers, (
-            f"rank {rank}, reshard_after_forward={reshard}: {got} all-gathers in a step "
+            f"rank {rank}, {called}: {got} all-gathers in a step "
             f"({result['summary']}), expected {gathers}: the root once and each block "
             f"{'twice (forward, then again for backward)' if reshard else 'once'}"
             + why.get(got, ""))
@@ -910,7 +1298,7 @@ def test_reshard_after_forward_trades_memory_for_an_all_gather(ex, world, reshar
             f"gradient once: {kb(root_bytes + block_bytes)} ({result['summary']})")
         held = result["after_forward"]
         assert abs(held - expected) <= MEMORY_TOLERANCE * expected, (
-            f"rank {rank}, reshard_after_forward={reshard}: holds {kb(held)} at the end of the "
+            f"rank {rank}, {called}: holds {kb(held)} at the end of the "
             f"forward, expected {kb(expected)}: the shards ({kb(shards)}) and the parameters "
             f"still gathered ({'the root' if reshard else 'all of them'}, "
             f"{kb(4 * (root if reshard else psi))})"
@@ -947,6 +1335,71 @@ def test_shard_model_refuses_a_rank_with_another_model(ex, difference):
         assert re.search(r"\brank 1\b", message), (
             f"rank {rank}: the ValueError should name the rank that differs (rank 1): "
             f"{message!r}")
+
+
+def first_differences(difference: str) -> set[str]:
+    """The names a message may give as the first parameter where rank 1's model differs from
+    rank 0's: at the first position where the (name, shape) lists differ, either rank's name;
+    or the first name, in either rank's order, that the other lacks or holds in another shape."""
+    mine = [(n, tuple(p.shape)) for n, p in make_gpt().named_parameters()]
+    theirs = [(n, tuple(p.shape)) for n, p in make_gpt(**OTHER_MODELS[difference])
+              .named_parameters()]
+    names = set()
+    position = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b)
+    names.update({mine[position][0], theirs[position][0]})
+    for one, other in ((mine, dict(theirs)), (theirs, dict(mine))):
+        names.add(next((n for n, shape in one if other.get(n) != shape), None))
+    return names - {None}
+
+
+@pytest.mark.task5_4
+@pytest.mark.parametrize("difference", list(OTHER_MODELS))
+def test_shard_model_names_the_first_parameter_that_differs(ex, difference):
+    raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
+    messages = run_on_ranks(shard_a_different_model, difference, world_size=2, timeout=20,
+                            pg_timeout=5.0)
+    names = first_differences(difference)
+    for rank, message in enumerate(messages):
+        assert message is not None, (
+            f"rank {rank}: shard_model returned although rank 1's model differs from rank "
+            f"0's ({difference}): raise ValueError")
+        assert any(re.search(rf"\b{re.escape(name)}\b", message) for name in names), (
+            f"rank {rank}: the ValueError should name the first parameter where rank 1's model "
+            f"differs ({' or '.join(sorted(names))}), with its shapes: {message!r}")
+
+
+def shard_with_a_policy(ctx) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    ex = load_exercise(LESSON)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = sharded_by(ex, make_gpt(), mp_policy=policy)
+    seen = {}
+    # Each group's own forward pre-hook (FSDP's, registered first) has gathered its parameters
+    # in the policy's dtype when these run: the root's before anything, block 0's before it.
+    model.register_forward_pre_hook(
+        lambda module, args: seen.update(root=module.lm_head.weight.dtype))
+    model.blocks[0].register_forward_pre_hook(
+        lambda module, args: seen.update(block=module.mlp.up_proj.weight.dtype))
+    try:
+        model(*my_share(ctx, 0))
+    except RuntimeError as error:  # one group in bf16 and another in fp32: a matmul refuses
+        seen["error"] = str(error).splitlines()[0][:200]
+    return seen
+
+
+@pytest.mark.task5_4
+def test_shard_model_passes_the_mp_policy_to_every_fully_shard(ex):
+    raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
+    for rank, seen in enumerate(run_on_ranks(shard_with_a_policy, world_size=2)):
+        for where, group in (("block", "each block's"), ("root", "the root's")):
+            assert seen.get(where) == torch.bfloat16, (
+                f"rank {rank}: under shard_model(model, mp_policy=MixedPrecisionPolicy("
+                f"param_dtype=torch.bfloat16)) the {where} ran its forward on "
+                f"{seen.get(where)} parameters, not bfloat16: pass the mp_policy given to "
+                f"{group} fully_shard, and to every other"
+                + (f" (the forward then failed: {seen['error']})" if "error" in seen else ""))
+        assert "error" not in seen, f"rank {rank}: the forward failed: {seen['error']}"
 
 
 # ----------------------------------------------------------------------------- task5_5 ZeRO-3

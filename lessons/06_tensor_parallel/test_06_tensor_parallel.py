@@ -43,6 +43,77 @@ SCRIPT = f"lessons/{LESSON}/train_tp.py"
 WORLDS = (2, 4)  # the running example's 4 heads split 2 and 4 ways
 # gloo with CPU tensors; CUDA: gloo ranks sharing cuda:0, nccl one rank per GPU.
 GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(2,), nccl_world_sizes=WORLDS)
+
+# Each task's contract, clause by clause, and the tests that fail when only that clause is
+# broken (tests/test_course.py checks the names).
+CLAUSES = {
+    "task6_1": {
+        "f's forward: x unchanged, no communication": [
+            "test_copy_to_parallel_sums_the_gradient_in_backward"],
+        "f's backward: the sum over the group's ranks, one all-reduce": [
+            "test_copy_to_parallel_sums_the_gradient_in_backward"],
+        "f all-reduces a copy, never the gradient autograd hands in (a residual shares it)": [
+            "test_copy_to_parallel_sums_the_gradient_in_backward"],
+        "g's forward: the sum over the group's ranks of a copy of x": [
+            "test_reduce_from_parallel_sums_in_forward_only"],
+        "g's backward: the gradient unchanged, no communication": [
+            "test_reduce_from_parallel_sums_in_forward_only"],
+        "both reduce within the group given": ["test_conjugates_reduce_within_their_group_only"],
+    },
+    "task6_2": {
+        "split_size: size / world_size when it divides": [
+            "test_column_parallel_linear_equals_the_unsplit_layer",
+            "test_row_parallel_linear_equals_the_unsplit_layer"],
+        "split_size: otherwise a ValueError naming both numbers and the dimension": [
+            "test_split_layers_refuse_sizes_that_do_not_divide"],
+        "column: this rank's rows of weight and bias, as new parameters": [
+            "test_column_parallel_linear_equals_the_unsplit_layer"],
+        "column: with copy_input, the input's gradient is summed over the ranks": [
+            "test_column_parallel_linear_equals_the_unsplit_layer"],
+        "column: copy_input=False leaves the copy to the caller": [
+            "test_column_parallel_linear_without_copy_input_leaves_the_copy_to_the_caller"],
+        "row: this rank's columns of weight, the whole bias on every rank": [
+            "test_row_parallel_linear_equals_the_unsplit_layer"],
+        "row: partial sums all-reduced, then the bias added once": [
+            "test_row_parallel_linear_equals_the_unsplit_layer"],
+        "a layer without bias keeps bias None": [
+            "test_split_layers_of_a_layer_without_bias_have_none"],
+        "both work within the group given": ["test_split_layers_use_their_group_only"],
+    },
+    "task6_3": {
+        "the split MLP and attention give their input its whole gradient": [
+            "test_split_attention_and_mlp_give_the_input_its_whole_gradient"],
+        "the split model trains like the unsplit one": [
+            "test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "one all-reduce per block's attention and MLP, forward and backward": [
+            "test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "attention's heads must divide by W (a ValueError otherwise)": [
+            "test_split_attention_refuses_heads_that_do_not_divide"],
+        "the split blocks communicate in the group given only": [
+            "test_split_blocks_use_their_group_only"],
+        "tensor_parallel_blocks splits in place and returns the model": [
+            "test_tensor_parallel_blocks_splits_the_model_in_place"],
+    },
+    "task6_4": {
+        "block_plan: Colwise for q/k/v/up, Rowwise for out/down (the weights' placements)": [
+            "test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
+        "block_plan: the attention's input prepared once: one all-reduce per block backward": [
+            "test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
+        "parallelize_gpt trains like the hand version and the unsplit model": [
+            "test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
+        "parallelize_gpt refuses a number of heads that does not divide": [
+            "test_parallelize_gpt_refuses_heads_that_do_not_divide"],
+    },
+    "task6_5": {
+        "tp inside a mesh row, fsdp across: trains like one process on the whole batch": [
+            "test_2d_trains_like_one_process_on_the_whole_batch"],
+        "each weight placed on both mesh dimensions": [
+            "test_2d_trains_like_one_process_on_the_whole_batch"],
+        "a mesh without the dims 'dp' and 'tp' raises a ValueError saying so": [
+            "test_2d_refuses_a_mesh_without_dp_and_tp",
+            "test_2d_refuses_a_2d_mesh_named_otherwise"],
+    },
+}
 # DTensor with gloo on CUDA tensors is not a combination the course has run: nccl only on GPUs.
 DTENSOR_GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(), nccl_world_sizes=WORLDS)
 
@@ -579,6 +650,75 @@ def test_split_layers_refuse_sizes_that_do_not_divide(ex, builder, in_features, 
     assert_refused(results, builder, size, 4)
 
 
+def layers_without_bias(ctx) -> dict:
+    """A column layer (8 -> 12) and a row layer (12 -> 6), both made from nn.Linear(...,
+    bias=False): their bias, and a column-then-row forward."""
+    ex = load_exercise(LESSON)
+    built = {}
+    for kind, builder, (n_in, n_out) in (("column", ex.ColumnParallelLinear, (IN, HIDDEN)),
+                                         ("row", ex.RowParallelLinear, (HIDDEN, OUT))):
+        layer = whole_layer(n_in, n_out, 4)
+        layer.bias = None
+        try:
+            built[kind] = builder(layer)
+        except NotImplementedError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the learner's error is the finding
+            return {"error": f"{builder.__name__}(nn.Linear({n_in}, {n_out}, bias=False)) "
+                             f"raised {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    out = built["row"](built["column"](rank_weights(-6, (3, IN))))
+    return {"bias": {kind: layer.bias for kind, layer in built.items()}, "out": out.detach()}
+
+
+@pytest.mark.task6_2
+def test_split_layers_of_a_layer_without_bias_have_none(ex):
+    raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.RowParallelLinear.__init__)
+    results = run_on_ranks(layers_without_bias, world_size=2)
+    column, row = whole_layer(IN, HIDDEN, 4), whole_layer(HIDDEN, OUT, 4)
+    column.bias, row.bias = None, None
+    with torch.no_grad():
+        expected = row(column(rank_weights(-6, (3, IN))))
+    for rank, got in enumerate(results):
+        assert "error" not in got, (
+            f"rank {rank}: {got.get('error')}: a layer without a bias gives a split layer "
+            f"whose bias is None")
+        for kind, bias in got["bias"].items():
+            name = {"column": "ColumnParallelLinear", "row": "RowParallelLinear"}[kind]
+            assert bias is None, (
+                f"rank {rank}: {name} of a layer without a bias has a bias of shape "
+                f"{tuple(bias.shape)}: keep self.bias = None when linear.bias is None")
+        assert_close(got["out"], expected, "a column layer then a row layer, both without bias",
+                     rank)
+
+
+def column_without_copy(ctx) -> dict:
+    """ColumnParallelLinear(..., copy_input=False): the input's gradient on this rank, and the
+    collectives of the backward."""
+    ex = load_exercise(LESSON)
+    layer = ex.ColumnParallelLinear(whole_layer(IN, HIDDEN, 0), copy_input=False)
+    x = rank_weights(-2, (3, IN)).requires_grad_(True)
+    c = rank_weights(-3, (3, HIDDEN)).chunk(ctx.world_size, 1)[ctx.rank]
+    out = layer(x)
+    with CollectiveLog(ex) as backward:
+        (out * c).sum().backward()
+    return {"x_grad": x.grad, "backward": [call.op for call in backward.calls]}
+
+
+@pytest.mark.task6_2
+def test_column_parallel_linear_without_copy_input_leaves_the_copy_to_the_caller(ex):
+    raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.ColumnParallelLinear.forward)
+    results = run_on_ranks(column_without_copy, world_size=2)
+    weight = whole_layer(IN, HIDDEN, 0).weight.detach()
+    for rank, got in enumerate(results):
+        assert not got["backward"], (
+            f"rank {rank}: ColumnParallelLinear(..., copy_input=False)'s backward ran "
+            f"{got['backward']}: with copy_input=False the caller has put x through "
+            f"copy_to_parallel already, for several layers at once; the layer must not again")
+        own = rank_weights(-3, (3, HIDDEN)).chunk(2, 1)[rank] @ weight.chunk(2, 0)[rank]
+        assert_close(got["x_grad"], own, "with copy_input=False, the gradient of x: this "
+                     "rank's own part, left for the caller's copy_to_parallel to sum", rank)
+
+
 # ----------------------------------------------------------------------------- task6_3 the blocks
 
 
@@ -713,6 +853,86 @@ def test_split_attention_refuses_heads_that_do_not_divide(ex):
     results = run_on_ranks(refused, "TensorParallelAttention", 0, 0, world_size=4,
                            n_head=6, n_embd=24)
     assert_refused(results, "TensorParallelAttention", 6, 4)
+
+
+def pair_blocks_run(ctx) -> dict:
+    """On 4 ranks in pairs [0, 1] and [2, 3], each pair on inputs of its own: the split
+    attention and MLP with group= the pair (output and input gradient), and the running example
+    split by tensor_parallel_blocks(model, group) (its loss)."""
+    ex = load_exercise(LESSON)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    pair = ctx.rank // 2
+    group = pairs[pair]
+    block = make_gpt().blocks[0]
+    out = {}
+    for name, part in (("attn", ex.TensorParallelAttention(block.attn, group)),
+                       ("mlp", ex.TensorParallelMLP(block.mlp, group))):
+        x = rank_weights(-40 - pair, (BATCH, CONFIG["block_size"], CONFIG["n_embd"]))
+        x.requires_grad_(True)
+        y = part(x)
+        (y * rank_weights(-5, x.shape)).sum().backward()
+        out[name] = {"out": y.detach(), "grad": x.grad}
+    model = ex.tensor_parallel_blocks(make_gpt(), group)
+    out["loss"] = model(*batch(10 + pair))[1].detach()
+    return out
+
+
+@pytest.mark.task6_3
+def test_split_blocks_use_their_group_only(ex):
+    raise_if_untouched(ex.TensorParallelAttention.__init__, ex.TensorParallelMLP.__init__,
+                       ex.tensor_parallel_blocks)
+    results = run_on_ranks(pair_blocks_run, world_size=4)
+    block, model = make_gpt().blocks[0], make_gpt()
+    for rank, got in enumerate(results):
+        pair = rank // 2
+        mates = [2 * pair, 2 * pair + 1]
+        for name, part in (("attn", block.attn), ("mlp", block.mlp)):
+            what = {"attn": "TensorParallelAttention", "mlp": "TensorParallelMLP"}[name]
+            x = rank_weights(-40 - pair, (BATCH, CONFIG["block_size"], CONFIG["n_embd"]))
+            x.requires_grad_(True)
+            y = part(x)
+            (y * rank_weights(-5, x.shape)).sum().backward()
+            hint = (f": with group={mates} every collective, and the slices each rank keeps, "
+                    f"belong to that group of 2, not to all 4 ranks. Pass group to each split "
+                    f"layer" + (" and keep it as self.group for the copy_to_parallel in forward"
+                                if name == "attn" else ""))
+            for key, want, kind in (("out", y.detach(), "output"), ("grad", x.grad,
+                                                                    "input's gradient")):
+                try:
+                    assert_close(got[name][key], want, f"{what}(..., group={mates}): its {kind}",
+                                 rank)
+                except AssertionError as error:
+                    raise AssertionError(f"{error}{hint}") from None
+        with torch.no_grad():
+            loss = model(*batch(10 + pair))[1]
+        try:
+            assert_close(got["loss"], loss, f"tensor_parallel_blocks(model, group={mates}): the "
+                         f"loss", rank)
+        except AssertionError as error:
+            raise AssertionError(f"{error}: pass group on to every TensorParallelAttention and "
+                                 f"TensorParallelMLP it builds") from None
+
+
+def split_in_place(ctx) -> dict:
+    ex = load_exercise(LESSON)
+    model = make_gpt()
+    returned = ex.tensor_parallel_blocks(model)
+    return {"same": returned is model, "returned": type(returned).__name__,
+            "parts": [(type(b.attn).__name__, type(b.mlp).__name__) for b in model.blocks]}
+
+
+@pytest.mark.task6_3
+def test_tensor_parallel_blocks_splits_the_model_in_place(ex):
+    raise_if_untouched(ex.tensor_parallel_blocks)
+    for rank, got in enumerate(run_on_ranks(split_in_place, world_size=2)):
+        assert got["parts"] == [("TensorParallelAttention", "TensorParallelMLP")] * len(
+            got["parts"]), (
+            f"rank {rank}: after tensor_parallel_blocks(model), the model's own blocks hold "
+            f"{got['parts']}: split them in place (block.attn = TensorParallelAttention(...), "
+            f"block.mlp = TensorParallelMLP(...)), not a copy of the model")
+        assert got["same"], (
+            f"rank {rank}: tensor_parallel_blocks(model) returned a {got['returned']} that is "
+            f"not model itself: return model, split in place")
 
 
 # ----------------------------------------------------------------------------- task6_4 DTensor
@@ -907,6 +1127,33 @@ def test_2d_refuses_a_mesh_without_dp_and_tp(ex):
             f"rank {rank}: parallelize_2d on a 1-D mesh gave {message}; raise ValueError "
             f"saying it needs a 2-D mesh named ('dp', 'tp')")
         assert "dp" in message and "tp" in message, message
+
+
+def misnamed_mesh(ctx):
+    ex = load_exercise(LESSON)
+    mesh = init_device_mesh("cpu", MESH_2D, mesh_dim_names=("data", "model"))
+    try:
+        ex.parallelize_2d(make_gpt(), mesh)
+    except NotImplementedError:
+        raise
+    except ValueError as error:
+        return f"ValueError: {error}"
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return None
+
+
+@pytest.mark.task6_5
+def test_2d_refuses_a_2d_mesh_named_otherwise(ex):
+    raise_if_untouched(ex.parallelize_2d)
+    for rank, message in enumerate(run_on_ranks(misnamed_mesh, world_size=4)):
+        assert message is not None and message.startswith("ValueError"), (
+            f"rank {rank}: parallelize_2d on a 2 x 2 mesh named ('data', 'model') gave "
+            f"{message}; a 2-D mesh is not enough: check its mesh_dim_names too, and raise "
+            f"ValueError saying it needs ('dp', 'tp')")
+        assert "dp" in message and "tp" in message, (
+            f"rank {rank}: the ValueError should say the mesh needs the names 'dp' and 'tp': "
+            f"{message}")
 
 
 # ----------------------------------------------------------------------------- the script
