@@ -1105,9 +1105,11 @@ def test_2d_trains_like_one_process_on_the_whole_batch(ex, group):
                                     f"dp 2 x tp 2 vs one process: parameter", rank)
 
 
-def wrong_mesh(ctx):
+def refused_mesh(ctx, shape: tuple | None = None, names: tuple | None = None):
+    """What parallelize_2d does with a mesh of ``shape`` (default: 1-D over every rank) named
+    ``names``: the error it raises, as text, or None when it accepts it."""
     ex = load_exercise(LESSON)
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    mesh = init_device_mesh("cpu", shape or (ctx.world_size,), mesh_dim_names=names)
     try:
         ex.parallelize_2d(make_gpt(), mesh)
     except NotImplementedError:
@@ -1122,31 +1124,18 @@ def wrong_mesh(ctx):
 @pytest.mark.task6_5
 def test_2d_refuses_a_mesh_without_dp_and_tp(ex):
     raise_if_untouched(ex.parallelize_2d)
-    for rank, message in enumerate(run_on_ranks(wrong_mesh, world_size=2)):
+    for rank, message in enumerate(run_on_ranks(refused_mesh, world_size=2)):
         assert message is not None and message.startswith("ValueError"), (
             f"rank {rank}: parallelize_2d on a 1-D mesh gave {message}; raise ValueError "
             f"saying it needs a 2-D mesh named ('dp', 'tp')")
         assert "dp" in message and "tp" in message, message
 
 
-def misnamed_mesh(ctx):
-    ex = load_exercise(LESSON)
-    mesh = init_device_mesh("cpu", MESH_2D, mesh_dim_names=("data", "model"))
-    try:
-        ex.parallelize_2d(make_gpt(), mesh)
-    except NotImplementedError:
-        raise
-    except ValueError as error:
-        return f"ValueError: {error}"
-    except Exception as error:  # noqa: BLE001
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    return None
-
-
 @pytest.mark.task6_5
 def test_2d_refuses_a_2d_mesh_named_otherwise(ex):
     raise_if_untouched(ex.parallelize_2d)
-    for rank, message in enumerate(run_on_ranks(misnamed_mesh, world_size=4)):
+    messages = run_on_ranks(refused_mesh, MESH_2D, ("data", "model"), world_size=4)
+    for rank, message in enumerate(messages):
         assert message is not None and message.startswith("ValueError"), (
             f"rank {rank}: parallelize_2d on a 2 x 2 mesh named ('data', 'model') gave "
             f"{message}; a 2-D mesh is not enough: check its mesh_dim_names too, and raise "
