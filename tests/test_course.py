@@ -102,6 +102,40 @@ def _public_api(path: Path) -> dict[str, str]:
     return api
 
 
+def clauses_of(lesson: str) -> tuple[dict | None, set[str]]:
+    """The lesson test file's CLAUSES (task -> {clause: [test names]}) and its test names."""
+    tree = ast.parse((LESSONS_DIR / lesson / f"test_{lesson}.py").read_text())
+    clauses = next((ast.literal_eval(node.value) for node in tree.body
+                    if isinstance(node, ast.Assign) and any(
+                        getattr(target, "id", None) == "CLAUSES" for target in node.targets)),
+                   None)
+    tests = {node.name for node in tree.body
+             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    return clauses, tests
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_every_task_lists_its_clauses_and_the_tests_that_hold_each(lesson):
+    """Each task's contract, clause by clause, with the tests that fail when only that clause
+    is broken: a clause nobody tests is a wrong answer that passes. A clause only a GPU can
+    show says so ("not testable on CPU: why") instead of naming tests."""
+    clauses, tests = clauses_of(lesson)
+    assert clauses is not None, f"lessons/{lesson}/test_{lesson}.py has no CLAUSES"
+    assert sorted(clauses) == sorted(tasks_of(lesson)), (
+        f"CLAUSES lists {sorted(clauses)}; the lesson's tasks are {tasks_of(lesson)}")
+    for task, contract in clauses.items():
+        assert any(isinstance(names, list) for names in contract.values()), (
+            f"{task}: no clause with a test")
+        for clause, names in contract.items():
+            if isinstance(names, str):
+                assert names.startswith("not testable on CPU: "), (
+                    f"{task}, {clause!r}: name its tests, or say 'not testable on CPU: why'")
+                continue
+            assert names, f"{task}: no test holds the clause {clause!r}"
+            unknown = [name for name in names if name not in tests]
+            assert not unknown, f"{task}, {clause!r}: no test function {unknown}"
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_stubs_and_solutions_expose_the_same_names_and_signatures(lesson):
     for name in exercise_files(lesson):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import re
@@ -25,6 +26,56 @@ from harness.launch import run_script
 LESSON = "00_single_gpu"
 LESSON_DIR = REPO_ROOT / "lessons" / LESSON
 ON_CPU_AND_GPU = ["cpu", pytest.param("cuda", marks=gpu_marks(1))]
+
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task0_1": {
+        "None or 'auto': cuda if torch.cuda.is_available(), else cpu": [
+            "test_choose_device_auto_takes_a_gpu_only_when_there_is_one"],
+        "'cpu': the CPU": ["test_choose_device_honours_the_request"],
+        "'cuda' or 'cuda:N': that device": ["test_choose_device_honours_the_request"],
+        "raise ValueError when CUDA is not available, with a message that names 'cpu'": [
+            "test_choose_device_refuses_cuda_without_a_gpu"],
+        "raise ValueError when N is not below torch.cuda.device_count()": [
+            "test_choose_device_refuses_what_it_cannot_give"],
+        "anything else ('gpu', 'tpu', '', 'cuda:x'): ValueError": [
+            "test_choose_device_refuses_what_it_cannot_give"],
+        "ask torch.cuda.is_available() / device_count() when called": [
+            "test_choose_device_auto_takes_a_gpu_only_when_there_is_one",
+            "test_choose_device_refuses_cuda_without_a_gpu"],
+    },
+    "task0_2": {
+        "every tensor t is replaced by t.to(device, non_blocking=non_blocking)": [
+            "test_to_device_moves_a_single_tensor", "test_to_device_passes_non_blocking_on"],
+        "non_blocking defaults to False": ["test_to_device_passes_non_blocking_on"],
+        "the same structure with the same container types (a tuple stays a tuple)": [
+            "test_to_device_keeps_an_inputs_targets_tuple",
+            "test_to_device_keeps_a_nested_structure", "test_to_device_keeps_a_namedtuple"],
+        "a dict keeps all its keys in order": ["test_to_device_keeps_a_nested_structure"],
+        "any other leaf is returned untouched, as the same object": [
+            "test_to_device_keeps_a_nested_structure"],
+    },
+    "task0_3": {
+        "clear the gradients left by earlier steps": [
+            "test_train_step_matches_a_reference_loop_over_two_steps"],
+        "compute loss_fn(model(inputs), targets), back-propagate, step the optimizer": [
+            "test_train_step_matches_a_reference_loop_over_two_steps"],
+        "return the loss (computed before the step) as a Python float": [
+            "test_train_step_matches_a_reference_loop_over_two_steps"],
+    },
+    "task0_4": {
+        "the exact mean loss per sample: weigh each batch by its number of samples": [
+            "test_evaluate_is_the_exact_mean_over_all_samples"],
+        "run the model in eval mode": [
+            "test_evaluate_uses_eval_mode_no_grad_and_restores_the_mode"],
+        "with gradients off (torch.no_grad())": [
+            "test_evaluate_uses_eval_mode_no_grad_and_restores_the_mode"],
+        "leave it in the training/eval mode it was in before": [
+            "test_evaluate_uses_eval_mode_no_grad_and_restores_the_mode"],
+        "return a Python float": ["test_evaluate_is_the_exact_mean_over_all_samples"],
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +248,19 @@ def test_to_device_keeps_a_nested_structure(ex):
 
 
 @pytest.mark.task0_2
-@pytest.mark.parametrize("non_blocking", [True, False])
+def test_to_device_keeps_a_namedtuple(ex):
+    Batch = collections.namedtuple("Batch", ["inputs", "targets"])
+    batch = Batch(torch.randn(4, 3), torch.tensor([0, 1, 1, 0]))
+    try:
+        got = ex.to_device(batch, META)
+    except TypeError as err:
+        pytest.fail(f"to_device(namedtuple) raised TypeError: {err}; a namedtuple is built from "
+                    "its fields as separate arguments: type(batch)(*moved), not type(batch)(moved)")
+    assert_moved(got, batch, "to_device(Batch(inputs, targets))")
+
+
+@pytest.mark.task0_2
+@pytest.mark.parametrize("non_blocking", [True, False, "default"])
 def test_to_device_passes_non_blocking_on(ex, monkeypatch, non_blocking):
     seen = []
     original_to = torch.Tensor.to
@@ -208,7 +271,11 @@ def test_to_device_passes_non_blocking_on(ex, monkeypatch, non_blocking):
         return original_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", recording_to)
-    ex.to_device(nested_batch(), META, non_blocking=non_blocking)
+    if non_blocking == "default":  # not given: the default is False (a blocking copy)
+        ex.to_device(nested_batch(), META)
+        non_blocking = False
+    else:
+        ex.to_device(nested_batch(), META, non_blocking=non_blocking)
     assert len(seen) == 4, (
         f"Tensor.to was called {len(seen)} times for a batch of 4 tensors; move each tensor "
         "with tensor.to(device, non_blocking=non_blocking)"

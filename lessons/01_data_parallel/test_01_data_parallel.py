@@ -26,6 +26,61 @@ from harness.launch import run_script, start_script
 
 LESSON = "01_data_parallel"
 
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task1_1": {
+        "every chunk holds ceil(batch_size / num_replicas) samples": [
+            "test_scatter_sizes_examples", "test_scatter_sizes_match_tensor_chunk_everywhere"],
+        "except the last one, which holds what is left": [
+            "test_scatter_sizes_examples", "test_scatter_sizes_match_tensor_chunk_everywhere"],
+        "there can be fewer chunks than replicas": [
+            "test_scatter_sizes_examples", "test_scatter_sizes_match_tensor_chunk_everywhere"],
+        "the chunk sizes in order, as ints": ["test_scatter_sizes_examples"],
+    },
+    "task1_2": {
+        "chunk i holds the next scatter_sizes(len(batch), num_replicas)[i] samples": [
+            "test_scatter_cuts_consecutive_chunks"],
+        "in their original order": ["test_scatter_cuts_consecutive_chunks"],
+    },
+    "task1_3": {
+        "num_replicas copies": ["test_replicate_makes_independent_copies"],
+        "the same structure, parameter and buffer values": [
+            "test_replicate_makes_independent_copies"],
+        "the same training mode as model": ["test_replicate_makes_independent_copies"],
+        "its own tensors: no replica is model itself": [
+            "test_replicate_makes_independent_copies"],
+        "every replica starts with no gradients": ["test_replicate_makes_independent_copies"],
+    },
+    "task1_4": {
+        "join the outputs in replica order, along dim 0": [
+            "test_gather_joins_in_order_and_keeps_the_graph"],
+        "stay connected to the autograd graph of every output": [
+            "test_gather_joins_in_order_and_keeps_the_graph"],
+    },
+    "task1_5": {
+        "add the sum of the replicas' gradients into master's gradients": [
+            "test_reduce_gradients_sums_into_the_master"],
+        "where a master parameter has no gradient yet it becomes the sum": [
+            "test_reduce_gradients_sums_into_the_master"],
+        "where it has one, the sum is added to it": ["test_reduce_gradients_sums_into_the_master"],
+        "a parameter that no replica has a gradient for is left as it is": [
+            "test_reduce_gradients_sums_into_the_master"],
+        "do not change the replicas": ["test_reduce_gradients_sums_into_the_master"],
+    },
+    "task1_6": {
+        "run replica i on chunk i (model itself never sees the whole batch)": [
+            "test_data_parallel_step_equals_one_device"],
+        "model's gradients are what loss_fn(model(inputs), targets).backward() would leave": [
+            "test_data_parallel_step_equals_one_device"],
+        "accumulated onto any gradients already there": [
+            "test_data_parallel_step_accumulates_like_backward"],
+        "its parameters are unchanged": ["test_data_parallel_step_equals_one_device"],
+        "return the whole batch's loss as a float, even when the chunks are uneven": [
+            "test_data_parallel_step_equals_one_device"],
+    },
+}
+
 
 @pytest.fixture(scope="module")
 def ex():

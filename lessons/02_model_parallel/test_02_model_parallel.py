@@ -36,6 +36,62 @@ from harness.launch import start_script
 LESSON = "02_model_parallel"
 META = torch.device("meta")  # tensors with a shape and no data: where a tensor is, made visible
 
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task2_1": {
+        "before stage k runs, move its input to self.devices[k]": [
+            "test_forward_moves_each_stage_input_to_that_stage_device"],
+        "its input: the batch for stage 0 too, not only the activations between stages": [
+            "test_forward_moves_each_stage_input_to_that_stage_device"],
+        "do not cut the autograd graph between stages": [
+            "test_split_model_equals_the_unsplit_model_on_one_device"],
+        "return the last stage's output, on the last stage's device": [
+            "test_forward_moves_each_stage_input_to_that_stage_device"],
+        "put stage k on devices[k]: every parameter and buffer": [
+            "test_place_stages_puts_every_parameter_and_buffer_of_stage_k_on_device_k"],
+        "several stages may share a device": [
+            "test_place_stages_puts_every_parameter_and_buffer_of_stage_k_on_device_k"],
+        "a different number of devices is a ValueError": [
+            "test_place_stages_accepts_torch_devices_and_refuses_a_missing_device"],
+        "devices may be torch.device or strings": [
+            "test_place_stages_accepts_torch_devices_and_refuses_a_missing_device",
+            "test_place_stages_puts_every_parameter_and_buffer_of_stage_k_on_device_k"],
+        "return StagedModel(stages, devices) holding the moved stages": [
+            "test_place_stages_puts_every_parameter_and_buffer_of_stage_k_on_device_k",
+            "test_place_stages_returns_a_model_whose_state_dict_holds_every_stage"],
+    },
+    "task2_2": {
+        "split inputs and targets with torch.tensor_split into exactly m micro-batches": [
+            "test_pipelined_step_feeds_the_model_m_consecutive_micro_batches"],
+        "the forward of every micro-batch first, then the backward": [
+            "test_pipelined_step_runs_every_forward_before_the_first_backward"],
+        "on GPUs, stage 0 then works on micro-batch i + 1 while stage 1 works on i": (
+            "not testable on CPU: CPU ops finish before the next call starts, so stages never "
+            "run at once; the schedule that lets GPUs overlap is the forward-first order above"),
+        "weigh micro-batch i's loss by size_i / batch_size": [
+            "test_pipelined_step_gradients_equal_one_full_batch_step",
+            "test_pipelined_training_equals_full_batch_training"],
+        "add them to any gradients already there": [
+            "test_pipelined_step_adds_to_gradients_already_there"],
+        "move each target micro-batch to the device of its output": [
+            "test_pipelined_step_moves_each_target_micro_batch_to_its_output_device",
+            "test_pipelined_training_equals_full_batch_training_on_device_pairs"],
+        "m from 1 to B; anything else is a ValueError": [
+            "test_pipelined_step_refuses_impossible_micro_batch_counts"],
+        "return the full batch's mean loss as a Python float": [
+            "test_pipelined_step_gradients_equal_one_full_batch_step"],
+    },
+    "task2_3": {
+        "the idle share of the whole GPipe step, as a Python float": [
+            "test_bubble_fraction_matches_a_simulated_gpipe_schedule"],
+        "0 for one stage, (p - 1) / p for one micro-batch": [
+            "test_bubble_fraction_matches_a_simulated_gpipe_schedule"],
+        "num_stages or num_micro_batches below 1 is a ValueError": [
+            "test_bubble_fraction_refuses_empty_schedules"],
+    },
+}
+
 # The hardware matrix of "a split model equals one device": cuda:0/cpu with one GPU, two GPUs.
 DEVICE_PAIRS = [
     pytest.param(("cpu", "cpu"), id="cpu-cpu"),
@@ -217,10 +273,30 @@ def test_place_stages_accepts_torch_devices_and_refuses_a_missing_device(ex):
     assert next(model.stages[1].parameters()).device == META
     assert_refused(lambda: ex.place_stages(make_stages(3), ["cpu", "cpu"]),
                    "place_stages(3 stages, 2 devices)", "one device per stage")
+    assert_refused(lambda: ex.place_stages(make_stages(2), ["cpu", "cpu", "cpu"]),
+                   "place_stages(2 stages, 3 devices)", "one device per stage")
 
 
 @pytest.mark.task2_1
-@pytest.mark.parametrize("devices", [("cpu", "meta"), ("cpu", "cpu", "meta")])
+def test_place_stages_returns_a_model_whose_state_dict_holds_every_stage(ex):
+    stages = make_stages(2)
+    expected = [f"stages.{k}.{name}" for k, stage in enumerate(stages)
+                for name in stage.state_dict()]
+    model = ex.place_stages(stages, ["cpu", META])
+    assert list(model.state_dict()) == expected, (
+        f"the placed model's state_dict has keys {list(model.state_dict())}, expected "
+        f"{expected}: return StagedModel(stages, devices), which keeps the moved stages in its "
+        "nn.ModuleList 'stages' so that state_dict() and an optimizer see every stage"
+    )
+    assert all(a is b for a, b in zip(model.stages, stages, strict=True)), (
+        "the placed model holds other modules than the stages it was given: move each stage "
+        "in place with stage.to(device) and hold those"
+    )
+
+
+@pytest.mark.task2_1
+# ("meta", "meta"): the batch itself, on the CPU, must be moved to stage 0's device.
+@pytest.mark.parametrize("devices", [("cpu", "meta"), ("cpu", "cpu", "meta"), ("meta", "meta")])
 def test_forward_moves_each_stage_input_to_that_stage_device(ex, devices):
     # Placed by the test, so that this checks your forward whatever place_stages does.
     stages = [stage.to(device) for stage, device in zip(make_stages(len(devices)), devices,
@@ -233,6 +309,13 @@ def test_forward_moves_each_stage_input_to_that_stage_device(ex, devices):
     except Exception as err:
         if task_of(err):  # the untouched stub: reported as "not attempted yet"
             raise
+        if seen[0] and seen[0][0] != torch.device(devices[0]):
+            pytest.fail(
+                f"stage 0 received the batch on {seen[0][0]}, expected devices[0] = "
+                f"{devices[0]}, and then the forward raised {type(err).__name__}: "
+                f"{str(err).splitlines()[0]}\nMove the batch to the first stage's device too, "
+                "not only the activations between stages"
+            )
         if all(received == [torch.device(d)] for received, d in zip(seen, devices, strict=True)):
             pytest.fail(
                 f"every stage received its input on its own device {list(devices)}, but then "
@@ -433,6 +516,35 @@ def test_pipelined_step_adds_to_gradients_already_there(ex):
         model, reference,
         "gradient after pipelined_step on a model whose .grad held ones (expected ones + the "
         "batch's gradient: accumulate like backward, do not zero)")
+
+
+@pytest.mark.task2_2
+def test_pipelined_step_moves_each_target_micro_batch_to_its_output_device(ex):
+    # The second stage on meta: the outputs land there while the targets start on the CPU, as
+    # they would with the last stage on a GPU. The loss only records where its two arguments
+    # are and returns a CPU number, so nothing has to be computed on meta.
+    inputs, targets = make_batch(10)
+    model = TwoStageNet(("cpu", "meta"))
+    seen = []
+
+    def recording_loss(output, target):
+        seen.append((output.device, target.device))
+        return torch.ones((), requires_grad=True) * 1.0
+
+    where = "pipelined_step on stages cpu -> meta (the last stage's outputs on meta)"
+    try:
+        ex.pipelined_step(model, inputs, targets, recording_loss, 3)
+    except Exception as err:
+        if task_of(err):  # the untouched stub: reported as "not attempted yet"
+            raise
+        pytest.fail(f"{where} raised {type(err).__name__}: {str(err).splitlines()[0]}")
+    assert len(seen) == 3, f"{where}: loss_fn was called {len(seen)} times for 3 micro-batches"
+    wrong = [(i, str(t)) for i, (o, t) in enumerate(seen) if t != o]
+    assert not wrong, (
+        f"{where}: loss_fn received targets on the CPU for micro-batches "
+        f"{[i for i, _ in wrong]} while their outputs were on meta: move each target "
+        "micro-batch to its output's device first, loss_fn(output, y.to(output.device))"
+    )
 
 
 @pytest.mark.task2_2

@@ -30,6 +30,92 @@ LESSON = "03_ddp"
 SCRIPT = f"lessons/{LESSON}/train_ddp.py"
 GROUPS = group_params(world_sizes=(2, 3))
 
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task3_1": {
+        "the same permutation on every rank: a torch.Generator seeded with seed + epoch": [
+            "test_shard_indices_equal_distributed_sampler",
+            "test_shard_indices_equal_distributed_sampler_for_any_split"],
+        "the tail padded by repeating indices from the start": [
+            "test_shard_indices_equal_distributed_sampler",
+            "test_shard_indices_equal_distributed_sampler_for_any_split"],
+        "or cut, with drop_last": ["test_shard_indices_equal_distributed_sampler"],
+        "then every num_replicas-th index starting at rank": [
+            "test_shard_indices_equal_distributed_sampler"],
+        "DistributedSampler's defaults: shuffle, seed 0, epoch 0, no drop_last": [
+            "test_shard_indices_defaults_are_distributed_samplers"],
+    },
+    "task3_2": {
+        "read RANK, LOCAL_RANK, WORLD_SIZE": [
+            "test_init_from_env_sets_the_device_before_joining_with_a_timeout"],
+        "LOCAL_WORLD_SIZE, default: WORLD_SIZE": [
+            "test_init_from_env_local_world_size_defaults_to_world_size"],
+        "none of the five launcher variables set: RuntimeError saying to launch with torchrun": [
+            "test_init_from_env_rejects_bad_environments"],
+        "only some set: RuntimeError naming the missing ones": [
+            "test_init_from_env_rejects_bad_environments"],
+        "backend auto: nccl when CUDA has at least LOCAL_WORLD_SIZE GPUs, else gloo": [
+            "test_init_from_env_sets_the_device_before_joining_with_a_timeout",
+            "test_init_from_env_auto_uses_gloo_with_fewer_gpus_than_local_ranks",
+            "test_init_from_env_auto_uses_gloo_without_a_gpu",
+            "test_init_from_env_uses_nccl_on_a_one_gpu_machine"],
+        "nccl with no GPU, or fewer than LOCAL_WORLD_SIZE: RuntimeError, before touching CUDA": [
+            "test_init_from_env_refuses_nccl_without_enough_gpus",
+            "test_init_from_env_rejects_bad_environments"],
+        "with nccl, torch.cuda.set_device(local_rank) before init_process_group": [
+            "test_init_from_env_sets_the_device_before_joining_with_a_timeout"],
+        "the device is cuda:<local_rank> with nccl, the CPU with gloo": [
+            "test_init_from_env_sets_the_device_before_joining_with_a_timeout",
+            "test_init_from_env_auto_uses_gloo_with_fewer_gpus_than_local_ranks"],
+        "init_process_group(backend, init_method='env://', ...)": [
+            "test_init_from_env_sets_the_device_before_joining_with_a_timeout"],
+        "a timeout under a minute": [
+            "test_init_from_env_sets_the_device_before_joining_with_a_timeout"],
+    },
+    "task3_3": {
+        "replace every gradient by its mean over all ranks, in place": [
+            "test_average_gradients_equal_one_process_on_the_whole_batch"],
+        "parameters without a gradient are skipped": [
+            "test_average_gradients_skips_parameters_without_a_gradient"],
+    },
+    "task3_4": {
+        "forward, loss: loss_fn(model(inputs), targets)": [
+            "test_train_one_epoch_weighs_each_batch_by_its_size"],
+        "sum loss * batch size and the sample count on each rank": [
+            "test_train_one_epoch_weighs_each_batch_by_its_size"],
+        "tell the sampler the epoch first": [
+            "test_train_one_epoch_equals_one_process_on_global_batches"],
+        "zero the gradients, forward, loss, backward, step": [
+            "test_train_one_epoch_equals_one_process_on_global_batches"],
+        "return the mean loss per sample over the whole epoch and all ranks": [
+            "test_train_one_epoch_equals_one_process_on_global_batches"],
+        "move each batch to the model's device": [
+            "test_train_one_epoch_weighs_each_batch_by_its_size"],
+    },
+    "task3_5": {
+        "gradients equal DDP's for several steps": [
+            "test_gradient_buckets_equal_ddp_and_overlap_backward"],
+        "the first all-reduce starts before backward has produced the last gradient": [
+            "test_gradient_buckets_equal_ddp_and_overlap_backward"],
+        "all-reduce asynchronously, waited on only in wait()": [
+            "test_gradient_buckets_equal_ddp_and_overlap_backward"],
+        "wait() divides by the world size and copies the results into each param.grad": [
+            "test_gradient_buckets_equal_ddp_and_overlap_backward"],
+        "wait() resets for the next step": [
+            "test_gradient_buckets_equal_ddp_and_overlap_backward",
+            "test_gradient_buckets_one_all_reduce_per_bucket_in_reverse_order"],
+        "buckets in reverse order, each up to bucket_size elements (default 2**20)": [
+            "test_gradient_buckets_one_all_reduce_per_bucket_in_reverse_order"],
+        "a parameter larger than bucket_size gets a bucket of its own": [
+            "test_gradient_buckets_one_all_reduce_per_bucket_in_reverse_order"],
+        "one all-reduce per bucket, once every parameter of it is ready": [
+            "test_gradient_buckets_one_all_reduce_per_bucket_in_reverse_order"],
+        "remove() removes the hooks": [
+            "test_gradient_buckets_one_all_reduce_per_bucket_in_reverse_order"],
+    },
+}
+
 
 @pytest.fixture
 def ex():
@@ -129,6 +215,19 @@ def test_shard_indices_equal_distributed_sampler_for_any_split(ex, length, world
         f"shuffle={shuffle}, seed={seed}, epoch={epoch}, drop_last={drop_last}) = {got[:12]}"
         f"{' ...' if len(got) > 12 else ''}, but DistributedSampler yields {want[:12]}"
         f"{' ...' if len(want) > 12 else ''}")
+
+
+@pytest.mark.task3_1
+@pytest.mark.parametrize("length, world", [(10, 3), (5, 4)])
+def test_shard_indices_defaults_are_distributed_samplers(ex, length, world):
+    """Called without the keywords, shard_indices is DistributedSampler(dataset, world, rank)."""
+    for rank in range(world):
+        got = ex.shard_indices(length, world, rank)
+        want = list(DistributedSampler(range(length), num_replicas=world, rank=rank))
+        assert [int(i) for i in got] == want, (
+            f"shard_indices({length}, {world}, {rank}) = {got}, but DistributedSampler("
+            f"dataset, {world}, {rank}) yields {want}: keep its defaults, shuffle=True, seed=0, "
+            f"epoch=0, drop_last=False")
 
 
 def interleaved(shards: list[list[int]]) -> list[int]:
@@ -235,10 +334,12 @@ def _device_index(device) -> int | str:
     return repr(device)
 
 
-def init_with_fakes(ex, monkeypatch, env: dict, gpus: int, backend: str):
+def init_with_fakes(ex, monkeypatch, env: dict, gpus: int, backend: str,
+                    calls: list | None = None):
     """Call ``ex.init_from_env(backend)`` with ``gpus`` fake GPUs and a fake process group;
-    return (what it returned, the calls it made in order)."""
-    calls: list[tuple] = []
+    return (what it returned, the calls it made in order). The calls also go into ``calls``
+    when given, so that they can be read after init_from_env raised."""
+    calls = [] if calls is None else calls
     state = {"initialized": False, "device": 0, "backend": None}
 
     def set_device(device):
@@ -246,7 +347,8 @@ def init_with_fakes(ex, monkeypatch, env: dict, gpus: int, backend: str):
         state["device"] = _device_index(device)
 
     def init_process_group(backend=None, init_method=None, timeout=None, **kwargs):
-        calls.append(("init_process_group", backend, timeout, kwargs))
+        calls.append(("init_process_group", backend, timeout,
+                      {"init_method": init_method, **kwargs}))
         state["initialized"], state["backend"] = True, backend
 
     fakes = {
@@ -311,8 +413,11 @@ def test_init_from_env_sets_the_device_before_joining_with_a_timeout(ex, monkeyp
         f"{where}: torch.cuda.set_device(1) was called after init_process_group: set the device "
         f"first, so that everything the process group sets up for this process (NCCL's "
         f"communicator, a barrier) uses its own GPU, not cuda:0")
-    _, used_backend, timeout, _ = calls[inits[0]]
+    _, used_backend, timeout, options = calls[inits[0]]
     assert used_backend == "nccl", f"{where}: init_process_group got backend {used_backend!r}"
+    assert options["init_method"] in (None, "env://"), (
+        f"{where}: init_process_group got init_method={options['init_method']!r}: torchrun "
+        f"describes the rendezvous in the environment, so pass init_method='env://'")
     assert timeout is not None, (
         f"{where}: init_process_group was called without timeout=: a missing peer then hangs "
         f"for the default timeout (10 minutes with NCCL, 30 with gloo) instead of failing; pass "
@@ -342,6 +447,84 @@ def test_init_from_env_auto_uses_gloo_with_fewer_gpus_than_local_ranks(ex, monke
         f"{where}: gloo on the CPU should not call torch.cuda.set_device")
     inits = [call for call in calls if call[0] == "init_process_group"]
     assert inits and inits[0][1] == "gloo", f"{where}: init_process_group calls: {inits}"
+
+
+def init_failure(ex, monkeypatch, env, gpus, backend, where):
+    """Run init_with_fakes; a learner's unexpected error becomes the finding."""
+    try:
+        return init_with_fakes(ex, monkeypatch, env, gpus, backend)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the learner's error is the finding
+        raise AssertionError(f"{where} raised {type(error).__name__}: {error}") from None
+
+
+@pytest.mark.task3_2
+def test_init_from_env_auto_uses_gloo_without_a_gpu(ex, monkeypatch):
+    env = {**SECOND_MACHINE, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1"}
+    where = "init_from_env('auto') as the only process on a machine without a GPU (CUDA faked)"
+    info, calls = init_failure(ex, monkeypatch, env, 0, "auto", where)
+    assert (info.backend, info.device) == ("gloo", torch.device("cpu")), (
+        f"{where} returned backend {info.backend!r} on {info.device}: with no GPU, 'auto' is "
+        f"gloo on the CPU (count 0 GPUs when torch.cuda.is_available() is False)")
+    assert not [call for call in calls if call[0] == "set_device"], (
+        f"{where}: gloo on the CPU should not call torch.cuda.set_device")
+
+
+@pytest.mark.task3_2
+@pytest.mark.parametrize("backend", ["nccl", "auto"])
+def test_init_from_env_uses_nccl_on_a_one_gpu_machine(ex, monkeypatch, backend):
+    env = {**SECOND_MACHINE, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1"}
+    where = f"init_from_env({backend!r}) as the only process on a machine with 1 GPU (CUDA faked)"
+    info, calls = init_failure(ex, monkeypatch, env, 1, backend, where)
+    assert (info.backend, info.device) == ("nccl", torch.device("cuda", 0)), (
+        f"{where} returned backend {info.backend!r} on {info.device}: one GPU is enough for one "
+        f"local process: nccl on cuda:0")
+    assert [call[1] for call in calls if call[0] == "set_device"] == [0], (
+        f"{where}: expected torch.cuda.set_device(0) before init_process_group; calls: {calls}")
+
+
+@pytest.mark.task3_2
+def test_init_from_env_local_world_size_defaults_to_world_size(ex, monkeypatch):
+    env = {name: value for name, value in SECOND_MACHINE.items() if name != "LOCAL_WORLD_SIZE"}
+    where = ("init_from_env('auto') as RANK=3 of WORLD_SIZE=4 with LOCAL_WORLD_SIZE unset and 2 "
+             "GPUs (CUDA faked)")
+    info, calls = init_failure(ex, monkeypatch, env, 2, "auto", where)
+    assert info.local_world_size == 4, (
+        f"{where}: local_world_size is {info.local_world_size!r}, expected 4: without "
+        f"LOCAL_WORLD_SIZE, take WORLD_SIZE (all the processes on one machine)")
+    assert (info.backend, info.device) == ("gloo", torch.device("cpu")), (
+        f"{where} returned backend {info.backend!r} on {info.device}: 4 local processes and 2 "
+        f"GPUs: 'auto' is gloo (LOCAL_WORLD_SIZE defaults to WORLD_SIZE)")
+
+
+@pytest.mark.task3_2
+@pytest.mark.parametrize("gpus", [0, 1], ids=["no GPU", "1 GPU for 2 local ranks"])
+def test_init_from_env_refuses_nccl_without_enough_gpus(ex, monkeypatch, gpus):
+    where = (f"init_from_env('nccl') with 2 processes on this machine and {gpus} GPU(s) "
+             f"(CUDA faked)")
+    calls = []
+    try:
+        got, _ = init_with_fakes(ex, monkeypatch, SECOND_MACHINE, gpus, "nccl", calls)
+    except NotImplementedError:
+        raise
+    except RuntimeError as error:
+        message = str(error)
+    except Exception as error:  # noqa: BLE001 - the learner's error is the finding
+        pytest.fail(f"{where} raised {type(error).__name__}: {error}; expected a RuntimeError "
+                    f"saying nccl needs one GPU per local rank")
+    else:
+        pytest.fail(f"{where} returned {got!r} after the calls {calls}; expected a RuntimeError, "
+                    f"before anything touches CUDA: nccl needs one GPU per local rank")
+    assert "GPU" in message, (
+        f"{where}: the RuntimeError should say what is missing (GPUs): {message}")
+    touched = [call[0] for call in calls if call[0] in ("set_device", "init_process_group")]
+    assert not touched, (
+        f"{where}: the RuntimeError came after {' and '.join(touched)}: check the GPUs first and "
+        f"raise before anything touches CUDA (on a machine without enough GPUs, "
+        f"torch.cuda.set_device itself fails, with a less helpful error)")
 
 
 CHECK_INIT = "lessons/harness/check_init_from_env.py"  # runs init_from_env under torchrun
@@ -450,6 +633,34 @@ def test_average_gradients_equal_one_process_on_the_whole_batch(group):
             raise with_diagnosis(error, why) from None
 
 
+def averaged_with_an_unused_parameter(ctx):
+    """average_gradients on a model one of whose parameters backward never reached."""
+    model = make_model()
+    unused = nn.Parameter(torch.ones(3))
+    model.register_parameter("unused", unused)
+    x, y = make_data(4, seed=ctx.rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    try:
+        load_exercise(LESSON).average_gradients(model)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the learner's error is the finding
+        return {"error": f"{type(error).__name__}: {error}", "grad": None}
+    return {"error": None, "grad": unused.grad}
+
+
+@pytest.mark.task3_3
+def test_average_gradients_skips_parameters_without_a_gradient():
+    results = run_on_ranks(averaged_with_an_unused_parameter, world_size=2)
+    for rank, result in enumerate(results):
+        assert result["error"] is None, (
+            f"rank {rank}: average_gradients raised {result['error']} on a model with a "
+            f"parameter that backward never reached (its .grad is None): skip it")
+        assert result["grad"] is None, (
+            f"rank {rank}: the unused parameter's .grad became {result['grad']}: leave a "
+            f"parameter without a gradient as it is (None)")
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_ddp_gradients_equal_one_process_on_the_whole_batch(group):
     world, backend, device = group
@@ -550,6 +761,73 @@ def test_train_one_epoch_equals_one_process_on_global_batches(group):
         for epoch, (got, want) in enumerate(zip(result["losses"], expected_losses, strict=True)):
             assert_close(torch.tensor(got), torch.tensor(want), rank=rank,
                          what=f"mean loss of epoch {epoch} (all samples, all ranks)")
+
+
+def frozen_epoch(ctx, samples: int, batch_size: int):
+    """One epoch of train_one_epoch with lr=0 (the model stays as it is), recording the order
+    of the arguments loss_fn receives."""
+    no_tf32()
+    inputs, targets = make_data(samples)
+    dataset = TensorDataset(inputs, targets)
+    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    model = DDP(make_model().to(ctx.device),
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    swapped = []
+
+    def loss_fn(outputs, batch_targets):
+        swapped.append(not outputs.requires_grad and batch_targets.requires_grad)
+        return nn.functional.mse_loss(outputs, batch_targets)
+
+    yielded, moved = [], []
+
+    class RecordedLoader:
+        """The loader, noting each batch it yields."""
+        sampler = loader.sampler
+
+        def __iter__(self):
+            for batch in loader:
+                yielded.extend(batch)
+                yield batch
+
+        def __len__(self):
+            return len(loader)
+
+    real_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        moved.append(self)
+        return real_to(self, *args, **kwargs)
+
+    torch.Tensor.to = recording_to
+    try:
+        loss = load_exercise(LESSON).train_one_epoch(model, RecordedLoader(), optimizer,
+                                                     loss_fn, 0)
+    finally:
+        torch.Tensor.to = real_to
+    unmoved = sum(not any(t is m for m in moved) for t in yielded)
+    return {"loss": loss, "swapped": swapped, "unmoved": unmoved, "yielded": len(yielded)}
+
+
+@pytest.mark.task3_4
+def test_train_one_epoch_weighs_each_batch_by_its_size():
+    samples, batch_size = 10, 3  # 5 samples per rank: batches of 3 and 2
+    results = run_on_ranks(frozen_epoch, samples, batch_size, world_size=2)
+    inputs, targets = make_data(samples)
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(make_model()(inputs), targets).item()
+    for rank, result in enumerate(results):
+        assert result["unmoved"] == 0, (
+            f"rank {rank}: {result['unmoved']} of the {result['yielded']} tensors the loader "
+            f"yielded were never moved with .to(device): move each batch to the model's device "
+            f"(on a GPU the data comes on the CPU)")
+        assert not any(result["swapped"]), (
+            f"rank {rank}: loss_fn got (targets, outputs): call loss_fn(model(inputs), targets), "
+            f"outputs first")
+        assert_close(torch.tensor(result["loss"]), torch.tensor(expected), rank=rank,
+                     what="mean loss per sample of an epoch with lr=0 (10 samples on 2 ranks in "
+                          "batches of 3 and 2: weigh each batch's mean loss by its size)")
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -669,6 +947,101 @@ def test_gradient_buckets_equal_ddp_and_overlap_backward(group):
                                     what=f"step {step}: bucketed gradient vs DDP's")
             problem = overlap_problem(result)
             assert not problem, f"rank {rank}, step {step}: {problem}"
+
+
+class Leaves(nn.Module):
+    """Parameters of the given sizes; parameter i's gradient is i + 1 everywhere, so a flat
+    bucket's values tell which parameters it holds."""
+
+    def __init__(self, sizes, frozen=()):
+        super().__init__()
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.zeros(n), requires_grad=i not in frozen)
+            for i, n in enumerate(sizes))
+
+    def loss(self):
+        return sum((i + 1) * p.sum() for i, p in enumerate(self.weights) if p.requires_grad)
+
+
+def bucket_calls(ctx, sizes, frozen, bucket_size, steps=2):
+    """For each step, the all-reduces started during backward (which parameters each holds,
+    and its work number) and the works waited on in wait(); then what backward starts after
+    remove()."""
+    exercise = load_exercise(LESSON)
+    model = Leaves(sizes, frozen)
+    events: list = []
+    real_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        number = len([e for e in events if e[0] == "all_reduce"]) + 1
+        held = sorted({int(v) - 1 for v in tensor.detach().unique().tolist()})
+        events.append(("all_reduce", number, held))
+        work = real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return RecordedWork(work, number, events) if async_op else work
+
+    patched = [(dist, "all_reduce")] + [(exercise, attribute) for attribute, value
+                                        in vars(exercise).items() if value is real_all_reduce]
+    for owner, attribute in patched:
+        setattr(owner, attribute, recording_all_reduce)
+    try:
+        kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
+        buckets = exercise.GradientBuckets(model, **kwargs)
+        results = []
+        for _ in range(steps):
+            events.clear()
+            model.zero_grad()
+            model.loss().backward()
+            during = list(events)
+            buckets.wait()
+            results.append({"started": [e for e in during if e[0] == "all_reduce"],
+                            "waited": [e[1] for e in events[len(during):] if e[0] == "wait"]})
+        buckets.remove()
+        events.clear()
+        model.zero_grad()
+        model.loss().backward()
+        after_remove = list(events)
+    finally:
+        for owner, attribute in patched:
+            setattr(owner, attribute, real_all_reduce)
+    return {"steps": results, "after_remove": after_remove}
+
+
+BUCKET_CASES = [  # sizes, frozen, bucket_size, the buckets (parameter indices) expected
+    pytest.param([300_000, 600_000, 7, 300_000, 10], (2,), None, [[1, 3, 4], [0]],
+                 id="default 2**20 elements, from the last parameter, one frozen"),
+    pytest.param([50, 200, 30, 30], (), 100, [[2, 3], [1], [0]],
+                 id="100: a parameter of 200 gets a bucket of its own"),
+    pytest.param([60, 40], (), 100, [[0, 1]], id="100: 40 + 60 fill one bucket exactly"),
+    pytest.param([60, 40, 100], (), 100, [[2], [0, 1]],
+                 id="100: a full bucket, then 40 + 60 fill the next one exactly"),
+]
+
+
+@pytest.mark.task3_5
+@pytest.mark.parametrize(("sizes", "frozen", "bucket_size", "expected"), BUCKET_CASES)
+def test_gradient_buckets_one_all_reduce_per_bucket_in_reverse_order(sizes, frozen,
+                                                                     bucket_size, expected):
+    results = run_on_ranks(bucket_calls, sizes, frozen, bucket_size, world_size=2)
+    made = f"GradientBuckets(parameters of sizes {sizes}" + (
+        f", bucket_size={bucket_size})" if bucket_size is not None else ")") + (
+        f", parameter(s) {list(frozen)} frozen" if frozen else "")
+    for rank, result in enumerate(results):
+        for step, calls in enumerate(result["steps"]):
+            got = sorted(held for _, _, held in calls["started"])
+            assert got == sorted(expected), (
+                f"rank {rank}, step {step}: {made} all-reduced buckets holding parameters "
+                f"{[held for _, _, held in calls['started']]}; expected one all-reduce per bucket, "
+                f"buckets {expected}: walk the parameters that require grad from the last to the "
+                f"first, start a new bucket when the next one would take it over bucket_size "
+                f"elements (a larger parameter gets a bucket of its own), default 2**20")
+            numbers = sorted(number for _, number, _ in calls["started"])
+            assert sorted(calls["waited"]) == numbers, (
+                f"rank {rank}, step {step}: wait() waited on all-reduces {calls['waited']}, "
+                f"expected this step's {numbers}, each once: clear what is pending at the end "
+                f"of wait(), ready for the next step")
+        assert not result["after_remove"], (
+            f"rank {rank}: after remove(), backward still started all-reduces "
+            f"{result['after_remove']}: remove every hook's handle")
 
 
 # ----------------------------------------------------------------------------- the script

@@ -44,76 +44,6 @@ WORLDS = (2, 4)  # the running example's 4 heads split 2 and 4 ways
 # gloo with CPU tensors; CUDA: gloo ranks sharing cuda:0, nccl one rank per GPU.
 GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(2,), nccl_world_sizes=WORLDS)
 
-# Each task's contract, clause by clause, and the tests that fail when only that clause is
-# broken (tests/test_course.py checks the names).
-CLAUSES = {
-    "task6_1": {
-        "f's forward: x unchanged, no communication": [
-            "test_copy_to_parallel_sums_the_gradient_in_backward"],
-        "f's backward: the sum over the group's ranks, one all-reduce": [
-            "test_copy_to_parallel_sums_the_gradient_in_backward"],
-        "f all-reduces a copy, never the gradient autograd hands in (a residual shares it)": [
-            "test_copy_to_parallel_sums_the_gradient_in_backward"],
-        "g's forward: the sum over the group's ranks of a copy of x": [
-            "test_reduce_from_parallel_sums_in_forward_only"],
-        "g's backward: the gradient unchanged, no communication": [
-            "test_reduce_from_parallel_sums_in_forward_only"],
-        "both reduce within the group given": ["test_conjugates_reduce_within_their_group_only"],
-    },
-    "task6_2": {
-        "split_size: size / world_size when it divides": [
-            "test_column_parallel_linear_equals_the_unsplit_layer",
-            "test_row_parallel_linear_equals_the_unsplit_layer"],
-        "split_size: otherwise a ValueError naming both numbers and the dimension": [
-            "test_split_layers_refuse_sizes_that_do_not_divide"],
-        "column: this rank's rows of weight and bias, as new parameters": [
-            "test_column_parallel_linear_equals_the_unsplit_layer"],
-        "column: with copy_input, the input's gradient is summed over the ranks": [
-            "test_column_parallel_linear_equals_the_unsplit_layer"],
-        "column: copy_input=False leaves the copy to the caller": [
-            "test_column_parallel_linear_without_copy_input_leaves_the_copy_to_the_caller"],
-        "row: this rank's columns of weight, the whole bias on every rank": [
-            "test_row_parallel_linear_equals_the_unsplit_layer"],
-        "row: partial sums all-reduced, then the bias added once": [
-            "test_row_parallel_linear_equals_the_unsplit_layer"],
-        "a layer without bias keeps bias None": [
-            "test_split_layers_of_a_layer_without_bias_have_none"],
-        "both work within the group given": ["test_split_layers_use_their_group_only"],
-    },
-    "task6_3": {
-        "the split MLP and attention give their input its whole gradient": [
-            "test_split_attention_and_mlp_give_the_input_its_whole_gradient"],
-        "the split model trains like the unsplit one": [
-            "test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
-        "one all-reduce per block's attention and MLP, forward and backward": [
-            "test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
-        "attention's heads must divide by W (a ValueError otherwise)": [
-            "test_split_attention_refuses_heads_that_do_not_divide"],
-        "the split blocks communicate in the group given only": [
-            "test_split_blocks_use_their_group_only"],
-        "tensor_parallel_blocks splits in place and returns the model": [
-            "test_tensor_parallel_blocks_splits_the_model_in_place"],
-    },
-    "task6_4": {
-        "block_plan: Colwise for q/k/v/up, Rowwise for out/down (the weights' placements)": [
-            "test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
-        "block_plan: the attention's input prepared once: one all-reduce per block backward": [
-            "test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
-        "parallelize_gpt trains like the hand version and the unsplit model": [
-            "test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
-        "parallelize_gpt refuses a number of heads that does not divide": [
-            "test_parallelize_gpt_refuses_heads_that_do_not_divide"],
-    },
-    "task6_5": {
-        "tp inside a mesh row, fsdp across: trains like one process on the whole batch": [
-            "test_2d_trains_like_one_process_on_the_whole_batch"],
-        "each weight placed on both mesh dimensions": [
-            "test_2d_trains_like_one_process_on_the_whole_batch"],
-        "a mesh without the dims 'dp' and 'tp' raises a ValueError saying so": [
-            "test_2d_refuses_a_mesh_without_dp_and_tp",
-            "test_2d_refuses_a_2d_mesh_named_otherwise"],
-    },
-}
 # DTensor with gloo on CUDA tensors is not a combination the course has run: nccl only on GPUs.
 DTENSOR_GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(), nccl_world_sizes=WORLDS)
 
@@ -125,6 +55,119 @@ SGD = {"lr": 0.5}
 # The layers each block splits: by rows (output features) or by columns (input features).
 COLUMN = ("q_proj", "k_proj", "v_proj", "up_proj")
 ROW = ("out_proj", "down_proj")
+
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken (tests/test_course.py checks the names).  # noqa: E501
+CLAUSES = {
+    "task6_1": {
+        "CopyToParallel forward: x unchanged, no communication":
+            ["test_copy_to_parallel_sums_the_gradient_in_backward"],
+        "CopyToParallel backward: the sum over the group's ranks of the gradients, an all-reduce":
+            ["test_copy_to_parallel_sums_the_gradient_in_backward"],
+        "CopyToParallel: the group's ranks only": [
+            "test_conjugates_reduce_within_their_group_only"],
+        "CopyToParallel backward returns (gradient, None)":
+            ["test_copy_to_parallel_sums_the_gradient_in_backward"],
+        "all-reduce a copy, never the tensor autograd hands in":
+            ["test_copy_to_parallel_sums_the_gradient_in_backward"],
+        "ReduceFromParallel forward: the sum over the group's ranks of x, an all-reduce":
+            ["test_reduce_from_parallel_sums_in_forward_only",
+             "test_conjugates_reduce_within_their_group_only"],
+        "ReduceFromParallel forward: all-reduce a copy":
+            ["test_reduce_from_parallel_sums_in_forward_only"],
+        "ReduceFromParallel backward: the gradient unchanged, no communication; (gradient, None)":
+            ["test_reduce_from_parallel_sums_in_forward_only"],
+    },
+    "task6_2": {
+        "ColumnParallelLinear: n = split_size(out_features, W, 'out_features')":
+            ["test_split_layers_refuse_sizes_that_do_not_divide"],
+        "ColumnParallelLinear: keep weight[rank*n:(rank+1)*n] and the same slice of the bias":
+            ["test_column_parallel_linear_equals_the_unsplit_layer",
+             "test_split_layers_use_their_group_only"],
+        "ColumnParallelLinear: bias None when the layer has no bias":
+            ["test_split_layers_of_a_layer_without_bias_have_none"],
+        "both new nn.Parameters (copies: the whole layer can then be freed)":
+            ["test_column_parallel_linear_equals_the_unsplit_layer"],
+        "ColumnParallelLinear.forward: returns (..., n), this rank's slice, no communication":
+            ["test_column_parallel_linear_equals_the_unsplit_layer"],
+        "with copy_input (the default), x first goes through copy_to_parallel":
+            ["test_column_parallel_linear_equals_the_unsplit_layer"],
+        "copy_input=False: the caller has already done so":
+            ["test_column_parallel_linear_without_copy_input_leaves_the_copy_to_the_caller"],
+        "rank and W are those of group": ["test_split_layers_use_their_group_only"],
+        "RowParallelLinear: n = split_size(in_features, W, 'in_features')":
+            ["test_split_layers_refuse_sizes_that_do_not_divide"],
+        "RowParallelLinear: keep weight[:, rank*n:(rank+1)*n], and the whole bias":
+            ["test_row_parallel_linear_equals_the_unsplit_layer"],
+        "RowParallelLinear: bias None without one":
+            ["test_split_layers_of_a_layer_without_bias_have_none"],
+        "RowParallelLinear.forward: partial sum, reduce_from_parallel, then the bias once":
+            ["test_row_parallel_linear_equals_the_unsplit_layer",
+             "test_split_layers_use_their_group_only"],
+        "returns (..., out_features), whole and the same on every rank":
+            ["test_row_parallel_linear_equals_the_unsplit_layer"],
+    },
+    "task6_3": {
+        "TensorParallelMLP: up_proj a ColumnParallelLinear, down_proj a RowParallelLinear":
+            ["test_split_attention_and_mlp_give_the_input_its_whole_gradient",
+             "test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "self.drop = mlp.drop; it is an MLP, so MLP.forward runs as it is":
+            ["test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "one all-reduce per forward and one per backward":
+            ["test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "TensorParallelMLP(mlp, group): its layers split within group":
+            ["test_split_blocks_use_their_group_only"],
+        "TensorParallelAttention: the number of heads must divide by W (split_size)":
+            ["test_split_attention_refuses_heads_that_do_not_divide"],
+        "q_proj, k_proj and v_proj ColumnParallelLinears with copy_input=False":
+            ["test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "out_proj a RowParallelLinear": [
+            "test_split_attention_and_mlp_give_the_input_its_whole_gradient",
+            "test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "head_dim, dropout and resid_drop are kept":
+            ["test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "group as self.group for the forward": ["test_split_blocks_use_their_group_only"],
+        "forward: copy_to_parallel(x, group) once, for all three projections":
+            ["test_split_attention_and_mlp_give_the_input_its_whole_gradient",
+             "test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "then CausalSelfAttention.forward as it is":
+            ["test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "tensor_parallel_blocks: each block.attn a TensorParallelAttention, block.mlp a "
+        "TensorParallelMLP": ["test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "tensor_parallel_blocks splits in place": [
+            "test_tensor_parallel_blocks_splits_the_model_in_place"],
+        "tensor_parallel_blocks(model, group) splits within group":
+            ["test_split_blocks_use_their_group_only"],
+        "everything else stays whole and replicated":
+            ["test_tensor_parallel_gpt_trains_like_the_unsplit_model"],
+        "returns model": ["test_tensor_parallel_gpt_trains_like_the_unsplit_model",
+                          "test_tensor_parallel_blocks_splits_the_model_in_place"],
+    },
+    "task6_4": {
+        "attn.q_proj, attn.k_proj, attn.v_proj, mlp.up_proj: ColwiseParallel()":
+            ["test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
+        "attn.out_proj, mlp.down_proj: RowwiseParallel()":
+            ["test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
+        "attn: PrepareModuleInput(..., use_local_output=False): one all-reduce, not three":
+            ["test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
+        "split_size the number of heads and the MLP's hidden size by mesh.size() first":
+            ["test_parallelize_gpt_refuses_heads_that_do_not_divide"],
+        "parallelize_module(block, mesh, block_plan()) for every block; returns model":
+            ["test_parallelize_gpt_splits_and_trains_as_the_hand_version"],
+    },
+    "task6_5": {
+        "parallelize_gpt(model, mesh['tp']) first":
+            ["test_2d_trains_like_one_process_on_the_whole_batch"],
+        "fully_shard(block, mesh=mesh['dp']) for every block":
+            ["test_2d_trains_like_one_process_on_the_whole_batch"],
+        "then fully_shard(model, mesh=mesh['dp'])":
+            ["test_2d_trains_like_one_process_on_the_whole_batch"],
+        "each TP slice is sharded again across the data-parallel ranks (the mesh's columns)":
+            ["test_2d_trains_like_one_process_on_the_whole_batch"],
+        "a mesh without the two names raises a ValueError saying what it needs":
+            ["test_2d_refuses_a_mesh_without_dp_and_tp",
+             "test_2d_refuses_a_2d_mesh_named_otherwise"],
+    },
+}
 
 
 @pytest.fixture

@@ -18,9 +18,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import inspect
 import itertools
+import re
 import time
+import weakref
 
 import pytest
 import torch
@@ -57,6 +60,121 @@ SGD = {"lr": 0.5}
 # gloo with CPU tensors; on GPUs nccl, one rank per GPU (gloo's send and receive of CUDA tensors
 # is not something the course has run).
 GROUPS = group_params(world_sizes=(2, 4), cuda_world_sizes=(), nccl_world_sizes=(2, 4))
+
+# Each task's contract, clause by clause, and the tests that fail when only that clause is
+# broken (tests/test_course.py checks the names).
+CLAUSES = {
+    "task7_1": {
+        "result[s] is stage s's list of actions, in the order it runs them": [
+            "test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text",
+            "test_schedule_of_any_shape_is_the_texts"],
+        "gpipe: every forward, micro-batches 0 to m - 1, then every backward": [
+            "test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text",
+            "test_schedule_of_any_shape_is_the_texts"],
+        "gpipe: the backwards last micro-batch first, the reverse of the forwards": [
+            "test_schedule_of_any_shape_is_the_texts"],
+        "1f1b: stage s first runs min(p - s - 1, m) forwards (the warm-up)": [
+            "test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text",
+            "test_schedule_of_any_shape_is_the_texts"],
+        "1f1b: then one forward and one backward, oldest first, then the remaining backwards": [
+            "test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text",
+            "test_schedule_of_any_shape_is_the_texts"],
+        "each stage runs each micro-batch's forward and backward exactly once": [
+            "test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text",
+            "test_schedule_of_any_shape_is_the_texts"],
+        "an unknown kind raises ValueError": ["test_schedule_rejects_what_is_not_a_pipeline"],
+        "fewer than 1 stage raises ValueError": ["test_schedule_rejects_what_is_not_a_pipeline"],
+        "fewer than 1 micro-batch raises ValueError": [
+            "test_schedule_rejects_what_is_not_a_pipeline"],
+    },
+    "task7_2": {
+        "F on the first stage: the input is inputs[i]": [
+            "test_stage_runner_trains_like_one_process"],
+        "F elsewhere: received from stage - 1 into a new tensor of activation_shape": [
+            "test_stage_runner_trains_like_one_process"],
+        "F elsewhere: the received input is marked requires_grad": [
+            "test_stage_runner_trains_like_one_process"],
+        "F: run the module, keep the input and the output for the backward": [
+            "test_stage_runner_trains_like_one_process"],
+        "F on the last stage: loss_fn(output, targets[i]) / m": [
+            "test_stage_runner_trains_like_one_process"],
+        "F elsewhere: the output is sent to stage + 1": [
+            "test_stage_runner_trains_like_one_process",
+            "test_stage_runner_posts_an_order_nccl_can_run"],
+        "B on the last stage: backward from its loss": [
+            "test_stage_runner_trains_like_one_process"],
+        "B elsewhere: the output's gradient received from stage + 1, output.backward(gradient)": [
+            "test_stage_runner_trains_like_one_process"],
+        "B on any stage but the first: its input's gradient sent to stage - 1": [
+            "test_stage_runner_trains_like_one_process",
+            "test_stage_runner_posts_an_order_nccl_can_run"],
+        "B: free what was kept for i": [
+            "test_stage_runner_frees_what_it_kept_for_a_micro_batch_after_its_backward"],
+        "a send held back, then batched with the next action's receive from the same neighbour": [
+            "test_stage_runner_posts_an_order_nccl_can_run"],
+        "otherwise the send posted alone (dist.isend) before the next action": [
+            "test_measured_bubble_matches_the_formula"],
+        "each receive waited on with work.wait(timeout): a timeout raises TimeoutError": [
+            "test_mismatched_schedules_end_with_a_timeout_naming_the_stage"],
+        "the TimeoutError names this stage": [
+            "test_mismatched_schedules_end_with_a_timeout_naming_the_stage"],
+        "the TimeoutError names the action and the stage it waited for": [
+            "test_a_timeout_names_the_action_and_the_stage_it_waited_for"],
+        "the works of the sends posted alone are waited on before step returns": [
+            "test_stage_runner_waits_for_its_lone_sends_before_step_returns"],
+        "a send still held back after the last action is posted": [
+            "test_stage_runner_trains_like_one_process",
+            "test_stage_runner_posts_an_order_nccl_can_run"],
+        "self.timeline: one (kind, i, start, end) per action": [
+            "test_measured_bubble_matches_the_formula"],
+        "the timeline's times cover the computation only, not the receives": [
+            "test_measured_bubble_matches_the_formula"],
+        "returns the last stage's m losses, scaled back up (each micro-batch's own mean)": [
+            "test_stage_runner_trains_like_one_process"],
+        "the losses are floats": ["test_stage_runner_returns_the_losses_as_floats"],
+        "an empty list on the other stages": ["test_stage_runner_trains_like_one_process"],
+        "gradients accumulate in the module's parameters; the caller steps the optimizer": [
+            "test_stage_runner_trains_like_one_process",
+            "test_stage_runner_accumulates_the_gradients_and_leaves_the_zeroing_to_the_caller"],
+    },
+    "task7_3": {
+        "gpt.GPTStage(model, start, end) for each stage, keeping the model's own modules": [
+            "test_split_gpt_cuts_between_blocks_as_evenly_as_possible",
+            "test_split_gpt_stages_chained_are_the_model",
+            "test_split_gpt_stages_train_like_the_unsplit_model"],
+        "num_stages stages of consecutive blocks, in order": [
+            "test_split_gpt_cuts_between_blocks_as_evenly_as_possible",
+            "test_split_gpt_stages_chained_are_the_model"],
+        "the first stage's count includes the embeddings, the last's the final norm and head": [
+            "test_split_gpt_cuts_between_blocks_as_evenly_as_possible"],
+        "of every cut into non-empty runs, one whose largest stage is smallest": [
+            "test_split_gpt_cuts_between_blocks_as_evenly_as_possible"],
+        "more stages than blocks raise ValueError naming both numbers": [
+            "test_split_gpt_refuses_more_stages_than_blocks"],
+    },
+    "task7_4": {
+        "torch_schedule wraps module in PipelineStage(module, stage, num_stages, device)": [
+            "test_torch_pipelining_trains_like_one_process"],
+        "kind='1f1b' gives Schedule1F1B": ["test_torch_pipelining_trains_like_one_process"],
+        "kind='gpipe' gives ScheduleGPipe": ["test_torch_pipelining_trains_like_one_process"],
+        "kind defaults to '1f1b'": ["test_torch_schedule_is_1f1b_when_no_kind_is_given"],
+        "with n_microbatches=num_micro_batches and loss_fn": [
+            "test_torch_pipelining_trains_like_one_process"],
+        "torch averages the micro-batches' gradients (scale_grads=True)": [
+            "test_torch_pipelining_trains_like_one_process"],
+        "torch_step: the first stage passes the whole batch's inputs": [
+            "test_torch_pipelining_trains_like_one_process"],
+        "torch_step: the last its targets and a list for the losses": [
+            "test_torch_pipelining_trains_like_one_process"],
+        "torch_step: a middle stage nothing": ["test_torch_pipelining_trains_like_one_process"],
+        "torch_step: a single stage passes both": [
+            "test_torch_step_on_a_single_stage_passes_the_inputs_and_the_targets"],
+        "torch_step returns the last stage's micro-batch losses as floats": [
+            "test_torch_pipelining_trains_like_one_process"],
+        "torch_step returns an empty list on the other stages": [
+            "test_torch_pipelining_trains_like_one_process"],
+    },
+}
 
 
 @pytest.fixture
@@ -406,17 +524,13 @@ def mismatched_run(ctx):
     return {"error": None, "seconds": time.monotonic() - started}
 
 
-@pytest.mark.task7_2
-def test_mismatched_schedules_end_with_a_timeout_naming_the_stage(ex):
-    """The simulator calls these two schedules a deadlock; on real ranks the runner must turn
-    the wait into a TimeoutError that names its stage, within its timeout (2 s here)."""
-    raise_if_untouched(ex.StageRunner.step)
-    assert isinstance(pytest.raises(Deadlock, simulate, [
-        [("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]], 2
-    ).value, Deadlock)
+@functools.cache
+def mismatched_timeouts() -> list[dict]:
+    """Each rank's TimeoutError (and how long it took) for the mismatched schedules: run once,
+    read by the tests of what the error says."""
     try:
         # pg_timeout 8 s: a runner that ignores its own timeout meets gloo's instead.
-        results = run_on_ranks(mismatched_run, world_size=2, pg_timeout=8.0, timeout=30.0)
+        return run_on_ranks(mismatched_run, world_size=2, pg_timeout=8.0, timeout=30.0)
     except RankError as error:
         raise AssertionError(
             "a mismatched pair of schedules should end in StageRunner's own TimeoutError, "
@@ -425,6 +539,17 @@ def test_mismatched_schedules_end_with_a_timeout_naming_the_stage(ex):
             + str(error)[:1500]) from None
     finally:  # this pool's group saw receives that never completed: never reuse it
         get_pool(2, "gloo", "cpu", 8.0).close()
+
+
+@pytest.mark.task7_2
+def test_mismatched_schedules_end_with_a_timeout_naming_the_stage(ex):
+    """The simulator calls these two schedules a deadlock; on real ranks the runner must turn
+    the wait into a TimeoutError that names its stage, within its timeout (2 s here)."""
+    raise_if_untouched(ex.StageRunner.step)
+    assert isinstance(pytest.raises(Deadlock, simulate, [
+        [("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]], 2
+    ).value, Deadlock)
+    results = mismatched_timeouts()
     for rank, got in enumerate(results):
         assert got["error"] is not None, (
             f"rank {rank}: the mismatched schedules finished without an error")
@@ -506,6 +631,183 @@ def test_measured_bubble_matches_the_formula(ex, world, kind, m):
         f"{kind}, {world} stages, {m} micro-batches: the stages were idle {measured:.1%} of "
         f"the time; the formula says {formula:.1%}. Does each timeline entry cover the "
         f"computation only, not the wait for a receive?")
+
+
+# Where each rank of mismatched_run waits for ever: stage 0 in B0 for stage 1's gradient, stage 1
+# in F1 for stage 0's output (sent only after B0).
+WAITS = {0: ("B", 0, 1), 1: ("F", 1, 0)}
+ACTION_WORDS = {"B": "backward|gradient", "F": "forward|input|activation|output"}
+
+
+@pytest.mark.task7_2
+def test_a_timeout_names_the_action_and_the_stage_it_waited_for(ex):
+    """The mismatched schedules again (one run, shared with the test above): each rank's
+    TimeoutError must say in which action it waited, and for which stage."""
+    raise_if_untouched(ex.StageRunner.step)
+    for rank, got in enumerate(mismatched_timeouts()):
+        error = got["error"]
+        assert error is not None, f"rank {rank}: the mismatched schedules finished without an error"
+        kind, i, peer = WAITS[rank]
+        action = re.compile(rf"\b{kind}\W{{0,4}}{i}\b|(?:{ACTION_WORDS[kind]})\D{{0,40}}\b{i}\b",
+                            re.IGNORECASE)
+        assert action.search(error), (
+            f"rank {rank}: the TimeoutError should name the action it waited in, {kind}{i} "
+            f"(micro-batch {i}'s {'backward' if kind == 'B' else 'forward'}): {error!r}")
+        assert f"stage {peer}" in error, (
+            f"rank {rank}: the TimeoutError should name the stage it waited for, stage {peer} "
+            f"(stage - 1 in a forward, stage + 1 in a backward): {error!r}")
+
+
+class WatchedStage(nn.Module):
+    """A tiny stage that notes, at each forward, which earlier micro-batches still have a tensor
+    alive: its output, and (but on the first stage, whose inputs the caller holds) its input.
+    Weak references only: it keeps nothing alive itself."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = first
+        self.linear = nn.Linear(4, 4)
+        self.refs: list[list[weakref.ref]] = []  # per forward, in the order of the forwards
+        self.alive: list[list[int]] = []  # per forward: the earlier micro-batches still alive
+
+    def still_alive(self) -> list[int]:
+        return [i for i, refs in enumerate(self.refs) if any(r() is not None for r in refs)]
+
+    def forward(self, x):
+        alive = self.still_alive()
+        if len(alive) > 2:  # something may only be waiting for the cycle collector
+            gc.collect()
+            alive = self.still_alive()
+        self.alive.append(alive)
+        out = self.linear(x)
+        self.refs.append([weakref.ref(out)] + ([] if self.first else [weakref.ref(x)]))
+        return out
+
+
+@contextlib.contextmanager
+def watched_lone_sends():
+    """Every send this rank posts alone (``isend``, not inside ``batch_isend_irecv``), its work
+    wrapped to note whether it was waited on. Patched in torch.distributed and distributed_c10d,
+    as ``recorded_posts`` does (a ``P2POp`` accepts only the functions that module holds)."""
+    from torch.distributed import distributed_c10d
+
+    real_isend, real_batch = distributed_c10d.isend, distributed_c10d.batch_isend_irecv
+    lone: list[WatchedWork] = []
+    inside = [False]
+
+    def isend(*args, **kwargs):
+        work = real_isend(*args, **kwargs)
+        if inside[0] or work is None:
+            return work
+        lone.append(WatchedWork(work))
+        return lone[-1]
+
+    def batch(ops):
+        inside[0] = True
+        try:
+            return real_batch(ops)
+        finally:
+            inside[0] = False
+
+    for module in (dist, distributed_c10d):
+        module.isend, module.batch_isend_irecv = isend, batch
+    try:
+        yield lone
+    finally:
+        for module in (dist, distributed_c10d):
+            module.isend, module.batch_isend_irecv = real_isend, real_batch
+
+
+class WatchedWork:
+    """A send's work that notes its ``wait``."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def watched_pipeline_run(ctx, m: int) -> dict:
+    """One 1F1B step of WatchedStage through the learner's runner: what stayed alive at each
+    forward, whether the lone sends were waited on when step returned, and what it returned."""
+    ex = load_exercise(LESSON)
+    stage = WatchedStage(first=ctx.rank == 0)
+    runner = ex.StageRunner(stage, ctx.rank, ctx.world_size, (2, 4),
+                            loss_fn=lambda out, target: ((out - target) ** 2).mean(), timeout=20.0)
+    data = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(m)]
+    actions = reference_schedule("1f1b", ctx.world_size, m)[ctx.rank]
+    with watched_lone_sends() as lone:
+        losses = runner.step(actions, inputs=data if ctx.rank == 0 else None,
+                             targets=data if ctx.rank == ctx.world_size - 1 else None)
+        unwaited = sum(not work.waited for work in lone)
+    done = [[i for kind, i in actions[:actions.index(("F", k))] if kind == "B"] for k in range(m)]
+    alive, first = list(stage.alive), stage.linear.weight.grad.clone()
+    runner.step(actions, inputs=data if ctx.rank == 0 else None,  # the same again, not zeroed
+                targets=data if ctx.rank == ctx.world_size - 1 else None)
+    return {"alive": alive, "done": done, "lone": len(lone), "unwaited": unwaited,
+            "losses": [type(loss).__name__ for loss in losses],
+            "grads": (first, stage.linear.weight.grad.clone())}
+
+
+@functools.cache
+def watched_pipeline(m: int = 8) -> list[dict]:
+    return run_on_ranks(watched_pipeline_run, m, world_size=2)
+
+
+@pytest.mark.task7_2
+def test_stage_runner_frees_what_it_kept_for_a_micro_batch_after_its_backward(ex):
+    """1F1B holds at most p - s micro-batches' activations only if B(i) lets go of what F(i)
+    kept. At each forward, the tensors of micro-batches whose backward has run must be gone
+    (one or two may linger in the loop's variables until the next action replaces them)."""
+    raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
+    for rank, got in enumerate(watched_pipeline()):
+        for k, (alive, done) in enumerate(zip(got["alive"], got["done"], strict=True)):
+            kept = sorted(set(alive) & set(done))
+            assert len(kept) <= 2, (
+                f"rank {rank}, 1F1B on 2 stages, 8 micro-batches: at F{k} the input or output "
+                f"of micro-batches {kept} is still alive, though their backwards have run. Free "
+                f"what was kept for i after B(i) (pop it): a stage that keeps every "
+                f"micro-batch's activations needs GPipe's memory, not 1F1B's")
+
+
+@pytest.mark.task7_2
+def test_stage_runner_waits_for_its_lone_sends_before_step_returns(ex):
+    raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
+    for rank, got in enumerate(watched_pipeline()):
+        assert got["unwaited"] == 0, (
+            f"rank {rank}: step returned with {got['unwaited']} of the {got['lone']} sends it "
+            f"posted alone (dist.isend) not waited on. Keep their works and wait for each "
+            f"before step returns: a send's tensor must stay alive until it is received, and "
+            f"on NCCL an unfinished send still holds the link")
+
+
+@pytest.mark.task7_2
+def test_stage_runner_accumulates_the_gradients_and_leaves_the_zeroing_to_the_caller(ex):
+    """Two steps on the same micro-batches with no zero_grad between them: the gradients add up,
+    as they do for a caller accumulating over several steps."""
+    raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
+    for rank, got in enumerate(watched_pipeline()):
+        first, second = got["grads"]
+        assert_close(second, 2 * first, "the weight's gradient after two steps of the same "
+                     "micro-batches, not zeroed between them: twice one step's. step accumulates "
+                     "into the parameters' .grad; zeroing is the caller's, with the optimizer",
+                     rank)
+
+
+@pytest.mark.task7_2
+def test_stage_runner_returns_the_losses_as_floats(ex):
+    raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
+    got = watched_pipeline()
+    assert got[-1]["losses"] == ["float"] * 8, (
+        f"the last stage's step returned losses of types {got[-1]['losses']}: return the 8 "
+        f"micro-batch losses as Python floats (loss.item() * m), not tensors that keep their "
+        f"graphs")
+    assert got[0]["losses"] == [], f"rank 0: a stage before the last returned {got[0]['losses']}"
 
 
 def test_micro_batches_must_be_equal(ex):
@@ -680,6 +982,51 @@ def test_torch_pipelining_trains_like_one_process(ex, world, kind, m):
         f"{type(results[-1]['losses'][0]).__name__}")
     for rank, got in enumerate(results[:-1]):
         assert got["losses"] == [], f"rank {rank}: a stage before the last returned losses"
+
+
+def torch_default_kind_run(ctx) -> str:
+    ex = load_exercise(LESSON)
+    schedule = ex.torch_schedule(nn.Linear(4, 4), ctx.rank, ctx.world_size, 2,
+                                 lambda out, target: ((out - target) ** 2).mean(), ctx.device)
+    return type(schedule).__name__
+
+
+@pytest.mark.task7_4
+def test_torch_schedule_is_1f1b_when_no_kind_is_given(ex):
+    raise_if_untouched(ex.torch_schedule)
+    made = run_on_ranks(torch_default_kind_run, world_size=1)[0]
+    assert made == "Schedule1F1B", (
+        f"torch_schedule(...) without kind made a {made}: kind defaults to \"1f1b\", "
+        f"Schedule1F1B")
+
+
+def torch_single_stage_run(ctx, m: int, steps: int) -> dict:
+    """The whole model as the one stage of a pipeline, through torch_schedule and torch_step."""
+    ex = load_exercise(LESSON)
+    model = make_gpt()
+    stage = my_stage(model, 0, 1)
+    schedule = ex.torch_schedule(stage, 0, 1, m, next_token_loss, ctx.device, kind="1f1b")
+
+    def one_step(step: int) -> list[float]:
+        return ex.torch_step(schedule, 0, 1, *batch(step))
+
+    return train_stage(model, stage, one_step, steps)
+
+
+@pytest.mark.task7_4
+def test_torch_step_on_a_single_stage_passes_the_inputs_and_the_targets(ex):
+    raise_if_untouched(ex.torch_schedule, ex.torch_step)
+    try:
+        results = run_on_ranks(torch_single_stage_run, 4, STEPS, world_size=1, timeout=60)
+    except RankError as error:
+        raise AssertionError(
+            "torch_step on a pipeline of one stage failed. That stage is the first and the "
+            "last: it passes the inputs and the targets and a list for the losses, "
+            "schedule.step(inputs, target=targets, losses=losses):\n" + str(error)[:1500]
+        ) from None
+    assert_trains_like_one_process(results, "torch's Schedule1F1B, 1 stage, 4 micro-batches", 4)
+    assert_close(torch.tensor(results[0]["losses"]), torch.tensor(one_process()["losses"][4]),
+                 "the single stage's micro-batch losses from torch_step")
 
 
 # ----------------------------------------------------------------------------- the script

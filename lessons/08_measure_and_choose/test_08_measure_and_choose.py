@@ -40,6 +40,134 @@ from harness.sweep import st, sweep
 LESSON = "08_measure_and_choose"
 README = LESSONS_DIR / LESSON / "README.md"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task8_1": {
+        "bus_bandwidth returns (algorithm bandwidth, bus bandwidth), in bytes per second": [
+            "test_bus_bandwidth_is_the_algorithm_bandwidth_times_the_ring_factor",
+            "test_bus_bandwidth_for_any_measurement"],
+        "the algorithm bandwidth is the payload over the time": [
+            "test_bus_bandwidth_is_the_algorithm_bandwidth_times_the_ring_factor",
+            "test_bus_bandwidth_for_any_measurement"],
+        "bus bandwidth: x 2 (W - 1) / W for all_reduce": [
+            "test_bus_bandwidth_is_the_algorithm_bandwidth_times_the_ring_factor",
+            "test_bus_bandwidth_for_any_measurement"],
+        "bus bandwidth: x (W - 1) / W for all_gather and reduce_scatter": [
+            "test_bus_bandwidth_is_the_algorithm_bandwidth_times_the_ring_factor",
+            "test_bus_bandwidth_for_any_measurement"],
+        "bus bandwidth: x 1 for broadcast": [
+            "test_bus_bandwidth_is_the_algorithm_bandwidth_times_the_ring_factor",
+            "test_bus_bandwidth_for_any_measurement"],
+        "an op not in OPS raises ValueError": [
+            "test_bus_bandwidth_refuses_what_is_not_a_measurement"],
+        "seconds <= 0 raises ValueError": ["test_bus_bandwidth_refuses_what_is_not_a_measurement"],
+        "num_bytes < 0 raises ValueError": ["test_bus_bandwidth_refuses_what_is_not_a_measurement"],
+        "world_size < 1 raises ValueError": [
+            "test_bus_bandwidth_refuses_what_is_not_a_measurement"],
+        "fit: alpha read from a = 2 (W - 1) alpha, beta from b = 2 (W - 1) / W beta": [
+            "test_fit_recovers_the_alpha_and_beta_the_points_were_made_with",
+            "test_fit_recovers_any_link_from_exact_points"],
+        "fit: the line t = a + b n through every point": [
+            "test_fit_is_least_squares_on_the_relative_errors"],
+        "fit: least squares on the relative errors (each point weighted by 1 / t**2)": [
+            "test_fit_is_least_squares_on_the_relative_errors",
+            "test_fit_keeps_the_latency_under_one_percent_of_noise"],
+        "fit: fewer than two distinct sizes raise ValueError": [
+            "test_fit_refuses_what_cannot_be_fitted"],
+        "fit: lists of different lengths raise ValueError": [
+            "test_fit_refuses_what_cannot_be_fitted"],
+        "fit: a time that is not positive raises ValueError": [
+            "test_fit_refuses_what_cannot_be_fitted"],
+        "fit: world_size < 2 raises ValueError": ["test_fit_refuses_what_cannot_be_fitted"],
+    },
+    "task8_2": {
+        "predict_allreduce_seconds: 2 (W - 1) steps of alpha, each sending n / W at beta": [
+            "test_predicted_allreduce_is_the_ring"],
+        "predict_allreduce_seconds: 0.0 on one rank": ["test_predicted_allreduce_is_the_ring"],
+        "ddp_buckets: lists of indices, each parameter added to the open bucket, in order": [
+            "test_buckets_are_the_ones_torch_assigns",
+            "test_buckets_are_the_ones_torch_assigns_for_any_sizes"],
+        "ddp_buckets: a bucket closes as soon as it holds at least its limit": [
+            "test_buckets_are_the_ones_torch_assigns",
+            "test_buckets_are_the_ones_torch_assigns_for_any_sizes"],
+        "ddp_buckets: the first bucket's limit is first_bucket_bytes, later ones' the cap": [
+            "test_buckets_are_the_ones_torch_assigns",
+            "test_buckets_are_the_ones_torch_assigns_for_any_sizes",
+            "test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds",
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models"],
+        "ddp_buckets: the last bucket takes what is left, however small": [
+            "test_buckets_are_the_ones_torch_assigns",
+            "test_buckets_are_the_ones_torch_assigns_for_any_sizes",
+            "test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds",
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models",
+            "test_predicted_ddp_step_counts_each_parameters_own_bytes"],
+        "predict_ddp_comm_seconds: one ring all-reduce per bucket": [
+            "test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds",
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models"],
+        "predict_ddp_comm_seconds: only the parameters that require a gradient": [
+            "test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds",
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models"],
+        "predict_ddp_comm_seconds: the parameters reversed": [
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models"],
+        "bucket_cap_mb None: a 1 MiB first bucket, 25 MiB for the others": [
+            "test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds",
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models"],
+        "bucket_cap_mb given, even 25: every bucket's limit, the first's too": [
+            "test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds",
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models"],
+        "bytes_per_element, when given, is what each element sends": [
+            "test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds",
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models"],
+        "otherwise each element sends its parameter's own element_size()": [
+            "test_predicted_ddp_step_counts_each_parameters_own_bytes"],
+        "the buckets are formed from the uncompressed sizes": [
+            "test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds",
+            "test_predicted_ddp_step_matches_real_ddp_for_generated_models"],
+    },
+    "task8_3": {
+        "returns a torch.futures.Future whose value DDP copies into the gradients": [
+            "test_bf16_hook_trains_like_fp32_ddp_and_sends_half_the_bytes"],
+        "cast to bf16: half of fp32's bytes on the wire": [
+            "test_bf16_hook_trains_like_fp32_ddp_and_sends_half_the_bytes"],
+        "divided by the world size: the bucket averaged over the ranks": [
+            "test_bf16_hook_trains_like_fp32_ddp_and_sends_half_the_bytes"],
+        "all-reduced asynchronously (async_op=True)": [
+            "test_bf16_hook_trains_like_fp32_ddp_and_sends_half_the_bytes"],
+        "the result copied into the bucket's own buffer, and the buffer returned": [
+            "test_bf16_hook_trains_like_fp32_ddp_and_sends_half_the_bytes"],
+        "state is the process group to average over (None: the default group)": [
+            "test_bf16_hook_averages_over_the_group_it_is_given"],
+    },
+    "task8_4": {
+        "'one device' when num_gpus is 1 and 4 x model + activations fit": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "'ddp': the same, on every GPU": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "'fsdp': 4 x model / num_gpus + activations": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "activations split gpus_per_node ways: 'tp+fsdp' over NVLink": [
+            "test_choose_method_follows_the_table_of_the_text"],
+        "activations split gpus_per_node ways: 'pp+fsdp' over PCIe": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "in order, the first that fits in gpu_memory (exactly full fits)": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "nothing fits, or one GPU too small: ValueError": [
+            "test_choose_method_follows_the_table_of_the_text"],
+        "the ValueError says how many bytes the smallest option needs": [
+            "test_choose_method_errors_say_the_bytes_the_smallest_option_needs"],
+        "arguments that are not positive raise ValueError": ["test_choose_method_refuses_nonsense"],
+        "gpus_per_node that does not divide num_gpus raises ValueError": [
+            "test_choose_method_refuses_nonsense"],
+        "an unknown link raises ValueError": ["test_choose_method_refuses_nonsense"],
+    },
+}
 MiB = 1024 * 1024
 
 
@@ -236,8 +364,9 @@ def assert_buckets_are_torchs(ex, sizes: list[int], cap: int, first: int) -> Non
 @pytest.mark.task8_2
 @pytest.mark.parametrize("sizes,cap,first", [
     ([1000] * 10, 2500, 1000), ([5000], 2500, 1000), ([10, 3000, 10, 10], 2000, 3000),
-    ([999, 1, 1000, 1000], 1000, 1000), ([1], 1, 1), ([7, 7, 7], 100, 100)],
-    ids=["tens", "one-big", "first-larger", "exactly-full", "one-byte", "all-in-one"])
+    ([999, 1, 1000, 1000], 1000, 1000), ([1], 1, 1), ([7, 7, 7], 100, 100), ([4, 3, 3], 4, 4)],
+    ids=["tens", "one-big", "first-larger", "exactly-full", "one-byte", "all-in-one",
+         "next-starts-empty"])
 def test_buckets_are_the_ones_torch_assigns(ex, sizes, cap, first):
     assert_buckets_are_torchs(ex, sizes, cap, first)
 
@@ -275,7 +404,7 @@ def real_ddp_buckets(ctx, model: torch.nn.Module, bucket_cap_mb) -> list[int]:
             tokens = torch.randint(0, 65, (2, 64), generator=torch.Generator().manual_seed(0))
             ddp(tokens, tokens)[1].backward()
         else:
-            ddp(torch.ones(2, model[0].in_features)).sum().backward()
+            ddp(torch.ones(2, model[0].in_features, dtype=model[0].weight.dtype)).sum().backward()
     return [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
@@ -342,6 +471,25 @@ def test_predicted_ddp_step_matches_real_ddp_for_generated_models(ex, widths, ca
     if not any(p.requires_grad for p in model.parameters()):
         return
     assert_predicts_real_ddp(ex, model, f"chain {widths}", cap_mb, wire)
+
+
+@pytest.mark.task8_2
+def test_predicted_ddp_step_counts_each_parameters_own_bytes(ex):
+    """A float64 model, no hook: each element is its parameter's element_size(), 8 bytes, in the
+    buckets and on the wire (the other tests' models are all float32, 4 bytes)."""
+    model = chain([64, 64, 64, 2000]).double()
+    alpha, beta, world, cap_mb = 50e-6, 1 / 10e9, 4, 0.25
+    got = ex.predict_ddp_comm_seconds(model, world, alpha, beta, bucket_cap_mb=cap_mb)
+    buckets = run_on_ranks(real_ddp_buckets, model, cap_mb, world_size=1)[0]
+    expected = sum(ring_seconds(n * 8, world, alpha, beta) for n in buckets)
+    as_fp32 = sum(ring_seconds(n * 4, world, alpha, beta) for n in buckets)
+    hint = (": that is 4 bytes per element; count each parameter's own element_size()"
+            if math.isclose(got, as_fp32, rel_tol=1e-9) else "")
+    assert_close(torch.tensor(got, dtype=torch.float64),
+                 torch.tensor(expected, dtype=torch.float64),
+                 f"a float64 model's DDP communication with bucket_cap_mb {cap_mb}: a real DDP "
+                 f"builds {len(buckets)} bucket(s) of {buckets} elements of 8 bytes{hint}",
+                 rtol=1e-9, atol=0)
 
 
 # ----------------------------------------------------------------------------- task8_3
@@ -529,6 +677,44 @@ def test_choose_method_follows_the_table_of_the_text(ex, case):
 def test_choose_method_refuses_nonsense(ex, arguments):
     assert_refuses(ex.choose_method, arguments, "sizes and counts must be positive "
                    "(activation_bytes may be 0), the link known, the GPUs whole nodes")
+
+
+# (model, activations, memory, GPUs, per node, link) -> method: each row exactly at its limit
+BOUNDARIES = [
+    ((GB, GB, 5 * GB, 1, 1, "nvlink"), "one device", "4 x 1 GB + 1 GB is exactly 5 GB"),
+    ((GB, 0, 4 * GB, 1, 1, "nvlink"), "one device", "no activations at all fit (0 is allowed)"),
+    ((GB, GB, 5 * GB, 2, 2, "nvlink"), "ddp", "4 x 1 GB + 1 GB is exactly 5 GB on each GPU"),
+    ((2 * GB, GB, 2 * GB, 8, 8, "nvlink"), "fsdp", "8 GB / 8 + 1 GB is exactly 2 GB"),
+    ((GB, GB, 3 * GB, 2, 2, "nvlink"), "fsdp", "on two GPUs, 4 GB / 2 + 1 GB is exactly 3 GB"),
+    ((2 * GB, 8 * GB, 2 * GB, 8, 8, "pcie"), "pp+fsdp", "8 GB / 8 + 8 GB / 8 is exactly 2 GB"),
+]
+
+
+@pytest.mark.task8_4
+@pytest.mark.parametrize("arguments,method,why", BOUNDARIES,
+                         ids=[f"{b[1]}-{i}" for i, b in enumerate(BOUNDARIES)])
+def test_choose_method_counts_exactly_full_as_fitting(ex, arguments, method, why):
+    got = ex.choose_method(*arguments)
+    assert got == method, (
+        f"choose_method{arguments} returned {got!r}, expected {method!r}: {why}, and bytes that "
+        f"equal gpu_memory fit (<=, not <)")
+
+
+@pytest.mark.task8_4
+def test_choose_method_errors_say_the_bytes_the_smallest_option_needs(ex):
+    raise_if_untouched(ex.choose_method)
+    error = assert_refuses(ex.choose_method, (GB, GB, 5 * GB - 1, 1, 1, "nvlink"),
+                           "one GPU of 5 GB - 1 byte cannot hold 4 x 1 GB + 1 GB")
+    assert "5000000000" in str(error), (
+        f"the error {str(error)!r} should say the 5000000000 bytes (4 x the weights plus the "
+        f"activations) one GPU would need")
+    error = assert_refuses(ex.choose_method, (2 * GB, 8 * GB, 2 * GB - 1, 8, 8, "pcie"),
+                           "8 GB / 8 of state + 8 GB / 8 of activations is 1 byte too many: the "
+                           "activations split across the node add to the state, not subtract")
+    assert "2000000000" in str(error), (
+        f"the error {str(error)!r} should say the 2000000000 bytes each GPU would need")
+    got = ex.choose_method(GB, GB, 5 * GB, 2, 1, "nvlink")
+    assert got == "ddp", f"two GPUs that each hold the whole run is 'ddp', not {got!r}"
 
 
 # ----------------------------------------------------------------------------- the scripts

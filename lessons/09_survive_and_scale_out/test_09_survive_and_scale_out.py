@@ -51,6 +51,138 @@ LESSON = "09_survive_and_scale_out"
 RESILIENT = f"lessons/{LESSON}/train_resilient.py"
 SBATCH = f"lessons/{LESSON}/slurm/train.sbatch"
 CONFIG = dict(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
+
+# Each task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task9_1": {
+        "set_epoch(epoch, start=k): the next iteration yields this rank's indices from the k-th": [
+            "test_the_sampler_resumes_an_epoch_where_it_stopped",
+            "test_the_sampler_resumes_any_epoch_of_any_split_where_it_stopped",
+            "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
+        "__len__ is what is left": [
+            "test_the_sampler_resumes_an_epoch_where_it_stopped",
+            "test_the_sampler_resumes_any_epoch_of_any_split_where_it_stopped"],
+        "set_epoch(epoch) starts the epoch at its beginning": [
+            "test_the_sampler_resumes_an_epoch_where_it_stopped",
+            "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
+        "the order is the parent's (seed, epoch, rank, world size)": [
+            "test_the_sampler_resumes_an_epoch_where_it_stopped",
+            "test_the_sampler_resumes_any_epoch_of_any_split_where_it_stopped"],
+        "start below 0 or above the rank's share raises ValueError": [
+            "test_the_sampler_resumes_an_epoch_where_it_stopped"],
+        "save: train.pt holds the layout of the text (four state dicts, position, generators)": [
+            "test_the_file_holds_the_layout_of_the_text"],
+        "save: the position is saved as given": [
+            "test_the_file_holds_the_layout_of_the_text",
+            "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
+        "save: every rank's rng_state() gathered to rank 0, which writes the file": [
+            "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped",
+            "test_the_file_holds_the_layout_of_the_text"],
+        "save 1: train.pt written into <path>.partial/": [
+            "test_a_crash_during_a_save_leaves_the_last_checkpoint_whole",
+            "test_a_save_reaches_the_disk_before_and_after_its_rename"],
+        "save 1: a .partial an earlier crash left is removed first": [
+            "test_a_crash_during_a_save_leaves_the_last_checkpoint_whole"],
+        "save 2: sync_to_disk the file, then the .partial directory, before the rename": [
+            "test_a_save_reaches_the_disk_before_and_after_its_rename"],
+        "save 3: the directory renamed to path": [
+            "test_a_crash_during_a_save_leaves_the_last_checkpoint_whole",
+            "test_a_save_reaches_the_disk_before_and_after_its_rename",
+            "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
+        "save 3: a path that exists already is replaced (renamed aside, removed after)": [
+            "test_a_save_replaces_a_copy_of_its_step_left_by_an_earlier_attempt"],
+        "save 4: sync_to_disk the parent directory after the rename": [
+            "test_a_save_reaches_the_disk_before_and_after_its_rename"],
+        "save: no rank returns before then": [
+            "test_no_rank_returns_from_a_save_before_the_checkpoint_is_there"],
+        "save: a crash leaves the earlier checkpoints as they were, no half-written path": [
+            "test_a_crash_during_a_save_leaves_the_last_checkpoint_whole"],
+        "load: every rank loads train.pt with map_location": [
+            "test_every_rank_loads_with_the_map_location_it_is_given"],
+        "load: restores the model, the optimizer, the scheduler and the scaler": [
+            "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
+        "load: each rank restores its own generators (set_rng_state of its entry)": [
+            "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped",
+            "test_the_generators_come_back_whatever_device_the_tensors_load_onto"],
+        "load: a checkpoint of another number of ranks raises ValueError naming both": [
+            "test_a_crash_during_a_save_leaves_the_last_checkpoint_whole"],
+        "load: returns the position": [
+            "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
+    },
+    "task9_2": {
+        "expand_nodelist: the host names, in order": [
+            "test_node_lists_expand_as_slurm_does",
+            "test_any_compressed_node_list_expands_to_its_hosts"],
+        "commas separate hosts, except inside brackets": [
+            "test_node_lists_expand_as_slurm_does",
+            "test_any_compressed_node_list_expands_to_its_hosts"],
+        "a bracket holds numbers and ranges a-b (a range of one number too)": [
+            "test_node_lists_expand_as_slurm_does",
+            "test_any_compressed_node_list_expands_to_its_hosts"],
+        "a range keeps the width of its first number": [
+            "test_node_lists_expand_as_slurm_does",
+            "test_any_compressed_node_list_expands_to_its_hosts"],
+        "several brackets expand to every combination": [
+            "test_node_lists_expand_as_slurm_does",
+            "test_any_compressed_node_list_expands_to_its_hosts"],
+        "an unclosed bracket, an empty list or a backwards range raises ValueError": [
+            "test_bad_node_lists_are_refused"],
+        "slurm_to_torchrun: the five arguments, in this order": [
+            "test_slurm_environments_become_torchrun_arguments"],
+        "the node list's first host is the endpoint on every node": [
+            "test_slurm_environments_become_torchrun_arguments",
+            "test_every_node_of_a_job_gets_the_same_arguments"],
+        "the port is MASTER_PORT when set": ["test_slurm_environments_become_torchrun_arguments"],
+        "else 20000 + SLURM_JOB_ID % 10000": [
+            "test_slurm_environments_become_torchrun_arguments",
+            "test_two_jobs_do_not_share_a_port"],
+        "the GPUs: nproc_per_node when given": ["test_every_node_of_a_job_gets_the_same_arguments"],
+        "else SLURM_GPUS_ON_NODE": ["test_slurm_environments_become_torchrun_arguments"],
+        "else the number at the end of SLURM_GPUS_PER_NODE: 'h100:4'": [
+            "test_slurm_environments_become_torchrun_arguments"],
+        "else the number at the end of SLURM_GPUS_PER_NODE: '4'": [
+            "test_a_bare_gpus_per_node_count_is_the_gpu_count"],
+        "SLURM_NNODES and SLURM_NODELIST are older names of the same two": [
+            "test_slurm_environments_become_torchrun_arguments"],
+        "a variable missing: ValueError naming it": [
+            "test_a_broken_slurm_environment_names_the_variable"],
+        "a node count that is not the node list's length: ValueError naming it": [
+            "test_a_broken_slurm_environment_names_the_variable"],
+        "more than one task on a node: ValueError naming the variable": [
+            "test_a_broken_slurm_environment_names_the_variable"],
+        "no GPU count at all: ValueError naming the variable": [
+            "test_a_broken_slurm_environment_names_the_variable"],
+        "SLURM_TASKS_PER_NODE's compressed counts read and checked": [
+            "test_a_broken_slurm_environment_names_the_variable",
+            "test_slurm_environments_become_torchrun_arguments"],
+        "SLURM_NTASKS_PER_NODE checked too": [
+            "test_a_broken_slurm_environment_names_the_variable"],
+    },
+    "task9_3": {
+        "the newest complete checkpoint, or None": [
+            "test_resume_point_picks_the_newest_complete_checkpoint",
+            "test_resume_point_finds_the_newest_complete_checkpoint_among_any"],
+        "None when the folder does not exist": [
+            "test_resume_point_picks_the_newest_complete_checkpoint"],
+        "only directories named step-<digits> count": [
+            "test_resume_point_picks_the_newest_complete_checkpoint",
+            "test_resume_point_finds_the_newest_complete_checkpoint_among_any"],
+        "newest by step number, not by name": [
+            "test_resume_point_picks_the_newest_complete_checkpoint",
+            "test_resume_point_finds_the_newest_complete_checkpoint_among_any"],
+        "not by modification time": ["test_resume_point_picks_the_newest_complete_checkpoint"],
+        "a .partial directory is skipped": [
+            "test_resume_point_picks_the_newest_complete_checkpoint",
+            "test_resume_point_finds_the_newest_complete_checkpoint_among_any"],
+        "a directory without its train.pt is skipped": [
+            "test_resume_point_picks_the_newest_complete_checkpoint",
+            "test_resume_point_finds_the_newest_complete_checkpoint_among_any"],
+        "a train.pt cut short (not a zip archive) is skipped": [
+            "test_resume_point_picks_the_newest_complete_checkpoint",
+            "test_resume_point_finds_the_newest_complete_checkpoint_among_any"],
+    },
+}
 SEQUENCES, BATCH = 64, 4  # 64 sequences: 8 steps per epoch of 4 per rank on 2 ranks
 STOP, MORE = 5, 7  # stop after step 5 (mid-epoch 1), resume, 7 more: into epoch 2
 
@@ -358,6 +490,7 @@ def load_onto_meta_on_rank(ctx, ex_path: str, folder: str) -> dict:
     run.train(2)
     saved = run.pieces()
     run.save(ex, path)
+    dist.barrier()  # whether the save waits for rank 0 is another test's (a file not there yet)
     model = GPT(GPTConfig(**CONFIG), seed=0).to("meta")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
@@ -493,6 +626,112 @@ def test_a_save_reaches_the_disk_before_and_after_its_rename(ex, tmp_path):
         f"power. sync_to_disk(path.parent) last")
 
 
+
+SAVED_AT = {"epoch": 1, "start": 8, "step": 3}  # a position the tests can tell from the default
+
+
+def save_and_load_on_rank(ctx, ex_path: str, folder: str) -> dict:
+    """Save with rank 0 held up in its torch.save (0.5 s), noting on each rank whether the
+    checkpoint is there when save_training_state returns; rank 0 reads the file as written; then
+    every rank loads it with map_location="meta", each torch.load's map_location recorded."""
+    import inspect
+    import time
+
+    from harness.exercises import load_path
+
+    ex = load_path(ex_path)
+    path = Path(folder) / "step-00000003"
+    run = Run(ex, global_seed=30 + ctx.rank)
+    run.position = dict(SAVED_AT)
+    real_save, real_load = torch.save, torch.load
+
+    def late_save(obj, f, *args, **kwargs):
+        if not isinstance(f, io.BytesIO):  # all_gather_object pickles through torch.save too
+            time.sleep(0.5)
+        return real_save(obj, f, *args, **kwargs)
+
+    if ctx.rank == 0:
+        torch.save = late_save
+    try:
+        run.save(ex, path)
+    finally:
+        torch.save = real_save
+    there = zipfile.is_zipfile(path / "train.pt")
+    dist.barrier()  # the rest only once rank 0 has written, whatever the answer did
+    written = None
+    if ctx.rank == 0:
+        state = real_load(path / "train.pt", weights_only=False)
+        written = {"keys": sorted(state), "position": state.get("position"),
+                   "generators": (len(state["generators"])
+                                  if isinstance(state.get("generators"), list) else
+                                  type(state.get("generators")).__name__)}
+    locations = []
+    signature = inspect.signature(real_load)
+
+    def watched_load(*args, **kwargs):
+        locations.append(repr(signature.bind(*args, **kwargs).arguments.get("map_location")))
+        return real_load(*args, **kwargs)
+
+    model = GPT(GPTConfig(**CONFIG), seed=0).to("meta")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1)
+    torch.load = watched_load
+    try:
+        ex.load_training_state(path, model, optimizer, scheduler, scaler, "meta")
+        error = None
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - reported to the learner
+        error = f"{type(err).__name__}: {str(err)[:300]}"
+    finally:
+        torch.load = real_load
+    return {"there": there, "written": written, "locations": locations, "error": error}
+
+
+@pytest.mark.task9_1
+def test_no_rank_returns_from_a_save_before_the_checkpoint_is_there(ex, tmp_path):
+    raise_if_untouched(ex.save_training_state, ex.load_training_state)
+    ranks = run_on_ranks(save_and_load_on_rank, str(ex.__file__), str(tmp_path), world_size=2)
+    assert ranks[0]["there"], "rank 0's save_training_state returned before train.pt was whole"
+    assert ranks[1]["there"], (
+        "rank 1 returned from save_training_state while rank 0 was still writing (held up "
+        "0.5 s in torch.save): step-00000003/train.pt was not there yet. A rank that goes on "
+        "may load it, or a job may end before it is written: dist.barrier() after rank 0's "
+        "last sync_to_disk, on every rank")
+
+
+@pytest.mark.task9_1
+def test_the_file_holds_the_layout_of_the_text(ex, tmp_path):
+    raise_if_untouched(ex.save_training_state, ex.load_training_state)
+    written = run_on_ranks(save_and_load_on_rank, str(ex.__file__), str(tmp_path),
+                           world_size=2)[0]["written"]
+    layout = ["generators", "model", "optimizer", "position", "scaler", "scheduler"]
+    assert written["keys"] == layout, (
+        f"train.pt holds the keys {written['keys']}; the layout of the text is {layout}: "
+        f"the four state dicts, the position and the generators")
+    assert written["position"] == SAVED_AT, (
+        f"train.pt's position is {written['position']!r}; the run was at {SAVED_AT}: save the "
+        f"position as given")
+    assert written["generators"] == 2, (
+        f"train.pt's generators are {written['generators']!r}; expected a list of 2, every "
+        f"rank's rng_state() in rank order (dist.all_gather_object)")
+
+
+@pytest.mark.task9_1
+def test_every_rank_loads_with_the_map_location_it_is_given(ex, tmp_path):
+    raise_if_untouched(ex.save_training_state, ex.load_training_state)
+    ranks = run_on_ranks(save_and_load_on_rank, str(ex.__file__), str(tmp_path), world_size=2)
+    for rank, got in enumerate(ranks):
+        assert got["error"] is None, (
+            f"rank {rank}: load_training_state(..., map_location='meta') raised {got['error']}")
+        assert got["locations"] and all(where == "'meta'" for where in got["locations"]), (
+            f"rank {rank}: load_training_state was given map_location='meta' and called "
+            f"torch.load with map_location {', '.join(got['locations']) or '(no torch.load)'}. "
+            f"Pass it on: without it every tensor lands on the device it was saved from, so a "
+            f"file saved on cuda:0 loads onto cuda:0 on every rank")
+
+
 # ----------------------------------------------------------------------------- task 9_2
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[01-02]",
@@ -505,6 +744,7 @@ NODELISTS = {
     "a[098-101]-ib": ["a098-ib", "a099-ib", "a100-ib", "a101-ib"],
     "r[1-2]n[1-2]": ["r1n1", "r1n2", "r2n1", "r2n2"],
     "x[3],y[1,5-6],z": ["x3", "y1", "y5", "y6", "z"],
+    "node[3-3]": ["node3"],  # a range of one number runs forwards, not backwards
 }
 
 
@@ -618,6 +858,25 @@ def test_two_jobs_do_not_share_a_port(ex):
     assert ports[4242] != ports[4243], (
         f"jobs 4242 and 4243 both rendezvous on port {ports[4242]}: two jobs sharing a node "
         "would collide; derive the port from SLURM_JOB_ID (20000 + id % 10000)")
+
+
+@pytest.mark.task9_2
+def test_a_bare_gpus_per_node_count_is_the_gpu_count(ex):
+    """--gpus-per-node=4 sets SLURM_GPUS_PER_NODE to "4", --gpus-per-node=h100:4 to "h100:4"."""
+    env = {**{k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"},
+           "SLURM_GPUS_PER_NODE": "4"}
+    try:
+        got = ex.slurm_to_torchrun(env)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the wrong kind of error is the finding
+        raise AssertionError(
+            f"SLURM_GPUS_PER_NODE='4' (no SLURM_GPUS_ON_NODE): slurm_to_torchrun raised "
+            f"{type(error).__name__}: {error}. The GPU count is the number at the end of it, "
+            f"'4' as much as 'h100:4'") from None
+    assert got == expected_args(2, 4, 4242, "node01:24242"), (
+        f"SLURM_GPUS_PER_NODE='4' (no SLURM_GPUS_ON_NODE): slurm_to_torchrun gave {got}; the "
+        f"GPU count is the number at the end of it, 4")
 
 
 def test_slurm_args_py_follows_the_same_table(outside_launcher, capsys):

@@ -12,5 +12,6 @@ def to_device(batch, device, non_blocking=False):
     if isinstance(batch, dict):
         return type(batch)((key, to_device(value, device)) for key, value in batch.items())
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(item, device) for item in batch)
+        moved = [to_device(item, device) for item in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
