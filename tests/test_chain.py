@@ -9,6 +9,7 @@ lessons/gpt) and imported by every step, and a name means one thing within a les
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import gpt
@@ -54,10 +55,11 @@ def test_the_readme_shows_the_current_diff(step):
 @pytest.mark.parametrize("step", STEPS, ids=_ids(STEPS))
 def test_a_step_changes_at_most_the_limit(step):
     counts = chain.count(step)
-    assert counts.changed <= chain.MAX_CHANGED_LINES, (
+    assert counts.changed <= step.limit, (
         f"{step.name} changes {counts.changed} lines of {step.script.builds_on} "
-        f"(+{counts.added} -{counts.removed}); a step may change {chain.MAX_CHANGED_LINES}: "
-        "move what is not this lesson's point into lessons/gpt or the base script")
+        f"(+{counts.added} -{counts.removed}); it may change {step.limit}: move what is not "
+        "this lesson's point into lessons/gpt/run.py, or give the step its own limit in "
+        "lessons/harness/course.py with the reason")
 
 
 def test_the_count_sees_every_kind_of_change(tmp_path, monkeypatch):
@@ -90,29 +92,94 @@ def _top_level(path: Path) -> dict[str, str]:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
 
 
-def _imports_from_gpt(path: Path) -> set[str]:
+def _imports_from(path: Path, module: str) -> set[str]:
     return {alias.name for node in ast.parse(path.read_text(encoding="utf-8")).body
-            if isinstance(node, ast.ImportFrom) and node.module == "gpt" for alias in node.names}
+            if isinstance(node, ast.ImportFrom) and node.module == module for alias in node.names}
 
 
 CHAIN_FILES = sorted({LESSONS_DIR / s.script.builds_on for s in STEPS} | {s.path for s in STEPS})
 
 
 @pytest.mark.parametrize("path", CHAIN_FILES, ids=lambda p: str(p.relative_to(LESSONS_DIR)))
-def test_every_step_imports_the_running_example(path):
-    assert {"GPT", "GPTConfig", "CharDataset", "parameter_digest"} <= _imports_from_gpt(path), (
-        f"{path.relative_to(LESSONS_DIR)} must import the model, its data and the digest from "
-        "lessons/gpt, not define its own")
+def test_every_step_imports_the_running_example_and_its_plumbing(path):
+    name = path.relative_to(LESSONS_DIR)
+    assert {"GPT", "GPTConfig"} <= _imports_from(path, "gpt"), (
+        f"{name} must import the model from lessons/gpt, not define its own")
+    used = {node.attr for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "run"}
+    assert "run" in _imports_from(path, "gpt") and {
+        "evaluate", "record_epoch", "add_common_arguments"} <= used, (
+        f"{name} must take the plumbing every run shares (validation, the result record, the "
+        "common flags) from lessons/gpt/run.py as run.evaluate, run.record_epoch, ..., not copy "
+        "it")
+
+
+LIMITS = {LESSONS_DIR / s.script.builds_on: chain.MAX_SCRIPT_LINES for s in STEPS} | {
+    s.path: s.max_lines for s in STEPS}
+
+
+@pytest.mark.parametrize("path", CHAIN_FILES, ids=lambda p: str(p.relative_to(LESSONS_DIR)))
+def test_a_step_is_short_enough_to_read_in_one_sitting(path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= LIMITS[path], (
+        f"{path.relative_to(LESSONS_DIR)} has {lines} lines, over {LIMITS[path]}: move what its "
+        "lesson does not teach into lessons/gpt/run.py, or give the step its own limit in "
+        "lessons/harness/course.py with the reason")
+
+
+def test_a_step_with_its_own_limit_says_why():
+    """A limit of its own is above the course's and has its reason beside it in the manifest:
+    a comment naming the number, in the lines just above the step's entry."""
+    source = (LESSONS_DIR / "harness" / "course.py").read_text(encoding="utf-8").splitlines()
+    for step in STEPS:
+        own = [(step.script.max_changed, chain.MAX_CHANGED_LINES, "changed"),
+               (step.script.max_lines, chain.MAX_SCRIPT_LINES, "lines")]
+        entry = next(i for i, line in enumerate(source) if f'Script("{step.script.path}"' in line)
+        comments = " ".join(line for line in source[max(0, entry - 4):entry]
+                            if line.strip().startswith("#"))
+        for limit, course_limit, what in own:
+            if limit is None:
+                continue
+            assert limit > course_limit, (
+                f"{step.name}: max_{what}={limit} is not above the course's {course_limit}")
+            assert re.search(rf"\b{limit}\b", comments), (
+                f"{step.name} may have {limit} {what}: say why in a comment naming {limit} just "
+                "above its entry in lessons/harness/course.py")
+
+
+def _plumbing() -> set[str]:
+    """What lessons/gpt/run.py defines for every step to import."""
+    return {name for name in _top_level(LESSONS_DIR / "gpt" / "run.py") if not name.startswith("_")}
+
+
+def _task_names(path: Path) -> set[str]:
+    """The graded tasks' names, where ``path`` is a lesson's exercises file: a task may share a
+    name with the plumbing (lesson 00's task0_1 is choose_device), and its stub must keep it."""
+    if path.name != "exercises.py":
+        return set()
+    entry = next((e for e in COURSE if e.folder == path.parent.name), None)
+    return {name.strip() for sections in (entry.tasks.values() if entry else ())
+            for name in sections.split(",")}
 
 
 def test_the_running_example_is_defined_once():
-    """No lesson file defines what lessons/gpt exports: a copy would drift from the original."""
-    exported = set(gpt.__all__)
+    """No lesson file defines what lessons/gpt exports or lessons/gpt/run.py defines: a copy
+    would drift from the original."""
+    exported = set(gpt.__all__) | _plumbing()
     copies = [f"{path.relative_to(LESSONS_DIR)} defines {name}"
               for path in sorted(LESSONS_DIR.rglob("*.py"))
               if "gpt" not in path.relative_to(LESSONS_DIR).parts[:1]
-              for name in _top_level(path).keys() & exported]
+              for name in (_top_level(path).keys() & exported) - _task_names(path)]
     assert not copies, "import these from lessons/gpt instead: " + "; ".join(copies)
+
+
+def test_the_reference_choose_device_is_the_one_every_script_uses():
+    solution = LESSONS_DIR.parent / "solutions" / "00_single_gpu" / "exercises.py"
+    assert _top_level(solution)["choose_device"] == _top_level(
+        LESSONS_DIR / "gpt" / "run.py")["choose_device"], (
+        "solutions/00_single_gpu/exercises.py's choose_device (task0_1's reference answer) and "
+        "lessons/gpt/run.py's (the one every script uses) must be the same code: edit both")
 
 
 # Each script has its own entry point; lesson 04's labs share theirs and are kept identical by

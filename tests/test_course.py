@@ -285,3 +285,47 @@ def test_ci_runs_every_readme_command():
     missing = [c for c in commands if c not in ci
                and not any(c.startswith(prefix) for prefix in NOT_RUN_BY_CI)]
     assert commands and not missing, f"README commands .ci/run does not run: {missing}"
+
+
+# ---------------------------------------------------------------- one spelling per flag
+# A flag means one thing and is spelt one way in every script, lab and text of the course; the
+# left-hand spellings were each in use once, beside the right-hand ones.
+FLAG_SPELLINGS = {"--batch": "--batch-size", "--batch_size": "--batch-size",
+                  "--iters": "--steps", "--iterations": "--steps", "--num-steps": "--steps",
+                  "--depth": "--blocks", "--layers": "--blocks", "--n-layers": "--blocks"}
+
+
+def _flags_defined(path: Path) -> set[str]:
+    """Every ``--flag`` that ``path`` passes to an ``add_argument`` call."""
+    return {arg.value for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+            for arg in node.args
+            if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
+
+
+_FLAG_IN_TEXT = re.compile(r"(?<![\w-])(--[a-z][a-z_-]*)(?![\w-])")
+
+
+def test_every_flag_is_spelt_one_way():
+    repo = LESSONS_DIR.parent
+    found = []
+    for path in sorted([*repo.glob("lessons/**/*.py"), *repo.glob("tests/**/*.py"),
+                        *repo.glob("solutions/**/*.py")]):
+        for flag in _flags_defined(path) & FLAG_SPELLINGS.keys():
+            found.append(f"{path.relative_to(repo)} defines {flag}")
+    for path in sorted([*repo.glob("lessons/**/*.md"), *repo.glob("docs/**/*.md"),
+                        repo / "README.md"]):
+        for flag in set(_FLAG_IN_TEXT.findall(path.read_text(encoding="utf-8"))):
+            if flag in FLAG_SPELLINGS:
+                found.append(f"{path.relative_to(repo)} writes {flag}")
+    assert not found, ("one spelling per flag: " + "; ".join(
+        f"{where} (write {FLAG_SPELLINGS[where.split()[-1]]})" for where in found))
+
+
+def test_the_flag_check_sees_a_definition(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text('import argparse\np = argparse.ArgumentParser()\n'
+                      'p.add_argument("--batch", type=int)\np.add_argument("-v", "--iters")\n')
+    assert _flags_defined(script) == {"--batch", "--iters"}
+    assert _FLAG_IN_TEXT.findall("run it with --batch 4, not --batch-size") == [
+        "--batch", "--batch-size"]

@@ -89,6 +89,7 @@ def test_requirements_include_numpy_which_torch_does_not_install():
 
 
 IMPORT_EVERYTHING = """
+import importlib
 import sys
 from pathlib import Path
 sys.path.insert(0, {lessons!r})
@@ -97,7 +98,10 @@ for name in {files!r}:
     path = Path(name)
     sys.path.insert(0, str(path.parent))  # as when the file runs as a script
     try:
-        load_path(path)
+        if path.parent.name == "gpt":  # the running example is a package: import it as one
+            importlib.import_module("gpt" if path.stem == "__init__" else f"gpt.{{path.stem}}")
+        else:
+            load_path(path)
     except BaseException as error:
         print(f"{{path}}: {{type(error).__name__}}: {{error}}")
         raise SystemExit(1)

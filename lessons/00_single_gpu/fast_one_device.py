@@ -15,14 +15,19 @@ On CUDA each rung is also shown as a percentage of a bf16 matmul peak measured h
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
+from gpt.run import sync  # noqa: E402  wait for the GPU before reading a clock
+
 # On a GPU: the sizes of the H200 numbers the README quotes; on a 2-core CPU: about a minute.
-CUDA_SIZES = {"width": 4096, "blocks": 4, "batch": 8192, "steps": 10}
-CPU_SIZES = {"width": 256, "blocks": 2, "batch": 512, "steps": 20}
+CUDA_SIZES = {"width": 4096, "blocks": 4, "batch_size": 8192, "steps": 10}
+CPU_SIZES = {"width": 256, "blocks": 2, "batch_size": 512, "steps": 20}
 
 
 def build_mlp(width: int, blocks: int) -> nn.Sequential:
@@ -35,12 +40,6 @@ def build_mlp(width: int, blocks: int) -> nn.Sequential:
 def count_weights(model: nn.Module) -> int:
     """Matrix weights only: biases add no matmul work."""
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work: CUDA kernels run asynchronously to Python."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def seconds_per_call(fn, device: torch.device, warmup: int, steps: int) -> float:
@@ -92,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--width", type=int, help="model width w (default: by device)")
     parser.add_argument("--blocks", type=int, help="number of MLP blocks (default: by device)")
-    parser.add_argument("--batch", type=int, help="batch size (default: by device)")
+    parser.add_argument("--batch-size", type=int, help="batch size (default: by device)")
     parser.add_argument("--steps", type=int, help="timed steps per rung (default: by device)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per rung")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rungs")
@@ -113,7 +112,8 @@ def main(argv=None) -> int:
     if min(sizes.values()) < 1 or args.warmup < 0:
         print("fast_one_device.py: error: sizes and --steps must be positive, --warmup >= 0")
         return 2
-    width, blocks, batch, steps = sizes["width"], sizes["blocks"], sizes["batch"], sizes["steps"]
+    width, blocks, steps = sizes["width"], sizes["blocks"], sizes["steps"]
+    batch = sizes["batch_size"]
 
     weights = count_weights(build_mlp(width, blocks).to("meta"))  # meta: shapes, no memory
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} threads"

@@ -14,7 +14,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from gpt import GPT, SIZES, CharDataset, GPTConfig, train_val_split
+from gpt import GPT, SIZES, CharDataset, GPTConfig, run, train_val_split
+from gpt.run import quiet
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -86,10 +87,6 @@ def ex():
 @pytest.fixture(scope="module")
 def train():
     return load_lesson_module(LESSON, "train")
-
-
-def quiet(*_args, **_kwargs):
-    pass
 
 
 # ---------------------------------------------------------------- task0_1: choose_device
@@ -488,10 +485,10 @@ def test_training_makes_the_validation_loss_go_down(train, data, one_thread):
     model = tiny_gpt(dataset)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
-    loss_before, _ = train.evaluate(model, val_loader, CPU)
+    loss_before, _ = run.evaluate(model, val_loader, CPU)
     train_losses = [train.train_one_epoch(model, train_loader, optimizer, CPU)
                     for _ in range(2)]
-    loss_after, accuracy = train.evaluate(model, val_loader, CPU)
+    loss_after, accuracy = run.evaluate(model, val_loader, CPU)
 
     # Small initial weights predict every character about equally: loss ln(vocabulary size).
     assert abs(loss_before - math.log(dataset.vocab_size)) < 0.1, (
@@ -538,17 +535,17 @@ def test_evaluate_in_train_py_is_exact_with_a_short_last_batch(train, data, one_
         "the test's model no longer tells the mean of batch means from the exact mean"
     )
 
-    got_loss, got_accuracy = train.evaluate(model, val_loader, CPU)
+    got_loss, got_accuracy = run.evaluate(model, val_loader, CPU)
 
     if math.isclose(got_loss, loss_of_batch_means, rel_tol=1e-5):
         pytest.fail(
-            f"train.evaluate returned loss {got_loss:.6f}, the mean of the {len(sizes)} batch "
+            f"gpt.run.evaluate returned loss {got_loss:.6f}, the mean of the {len(sizes)} batch "
             f"means; expected {expected_loss:.6f}, the mean over every character: batches of "
             f"{sizes} windows must weigh by their size"
         )
-    assert_close(got_loss, expected_loss, "train.evaluate: loss per character over the whole "
+    assert_close(got_loss, expected_loss, "gpt.run.evaluate: loss per character over the whole "
                  f"validation set, in batches of {sizes} windows", rtol=1e-5, atol=1e-6)
-    assert_close(got_accuracy, expected_accuracy, "train.evaluate: next-character accuracy over "
+    assert_close(got_accuracy, expected_accuracy, "gpt.run.evaluate: next-character accuracy over "
                  f"the whole validation set, in batches of {sizes} windows", rtol=1e-5, atol=1e-6)
 
 
@@ -593,7 +590,7 @@ def test_model_optimizer_state_and_data_live_on_the_chosen_device(train, data, d
     model.register_forward_pre_hook(lambda _module, args: seen.append(args[0].device))
 
     train.train_one_epoch(model, train_loader, optimizer, device)
-    train.evaluate(model, val_loader, device)
+    run.evaluate(model, val_loader, device)
 
     assert len(seen) == 4 + 3, f"{len(seen)} forward passes, expected 4 to train, 3 to evaluate"
     assert all(d.type == device.type for d in seen), (
@@ -645,15 +642,15 @@ def refused(train, monkeypatch, capsys, *argv: str) -> str:
 def test_train_py_refuses_cuda_without_a_gpu_in_one_line(train, monkeypatch, capsys):
     imitate_machine(monkeypatch, 0)
     err = refused(train, monkeypatch, capsys, "--device", "cuda")
-    assert "'cuda'" in err and "use cpu" in err, (
+    assert "'cuda'" in err and "use 'cpu'" in err, (
         f"the message should name the request and say what to do instead: {err}"
     )
 
 
 @pytest.mark.parametrize(("requested", "gpus", "expected"), [
-    ("cuda:5", 2, ("'cuda:5'", "2 GPU(s)", "cuda:0 to cuda:1")),  # which GPUs there are
-    ("gpu", 2, ("'gpu'", "cpu", "cuda")),  # not a device name: which names are
-    ("meta", 0, ("'meta'", "cpu or cuda")),  # a device torch knows, but not one to train on
+    ("cuda:5", 2, ("'cuda:5'", "2 CUDA device(s)", "cuda:0 .. cuda:1")),  # which GPUs there are
+    ("gpu", 2, ("'gpu'", "'cpu'", "'cuda'")),  # not a device name: which names are
+    ("meta", 0, ("'meta'", "'cpu'", "'cuda'")),  # a device torch knows, but not one to train on
 ])
 def test_train_py_refuses_a_device_it_cannot_use_in_one_line(train, monkeypatch, capsys,
                                                             requested, gpus, expected):
@@ -690,7 +687,7 @@ def test_train_script_runs_and_writes_its_result():
 @pytest.mark.parametrize("device_name", ON_CPU_AND_GPU)
 def test_fast_one_device_prints_its_ladder(device_name):
     out = run_script(LESSON_DIR / "fast_one_device.py", "--device", device_name,
-                     "--width", "32", "--blocks", "1", "--batch", "64", "--steps", "2",
+                     "--width", "32", "--blocks", "1", "--batch-size", "64", "--steps", "2",
                      "--warmup", "1", "--no-compile", result=False).output
     for expected in ("ms/step", "samples/s", "TFLOP/s", "fp32", "bf16 autocast",
                      "bf16 autocast, batch x2", "skipped (--no-compile)"):

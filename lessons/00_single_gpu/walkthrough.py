@@ -126,7 +126,7 @@ print(f"mean of batch means:        {sum(batch_means) / len(batch_means):.4f}  (
 # The first steps also pay one-off costs (memory allocation, kernel selection), so warm up first.
 
 # %%
-def sync():
+def wait_for_device():
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -144,13 +144,13 @@ def step():
 
 for _ in range(3):  # warm-up, not timed
     step()
-sync()
+wait_for_device()
 
 start = time.perf_counter()
 for _ in range(10):
     step()
 queued = time.perf_counter() - start  # no sync: on CUDA only the queueing is measured
-sync()
+wait_for_device()
 finished = time.perf_counter() - start
 print(f"clock read before synchronize: {1000 * queued / 10:.2f} ms/step")
 print(f"clock read after synchronize:  {1000 * finished / 10:.2f} ms/step  (the real time)")

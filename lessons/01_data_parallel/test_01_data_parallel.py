@@ -808,11 +808,13 @@ def test_train_refuses_device_ids_that_are_not_numbers(train, capsys):
     (["--device", "cpu"], "lessons/00_single_gpu/train.py --device cpu"),
     (["--device-ids", "0,5"], "this machine has GPUs 0 to 1"),
     (["--bf16"], "autocast to float16"),  # the replica threads do not inherit the dtype
+    (["--compile"], "new replicas of the model every step"),
 ])
 def test_train_refuses_what_data_parallel_cannot_do_on_a_gpu_machine(train, monkeypatch, capsys,
                                                                      argv, expected):
     """On a machine with GPUs, DataParallel takes them all: no CPU run, no GPU that is not
-    there. Both are refused in one line before anything touches CUDA (imitated: 2 GPUs)."""
+    there; nor bfloat16 autocast, nor --compile. Each is refused in one line before anything
+    touches CUDA (imitated: 2 GPUs)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     code = train.main(argv)

@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
+from gpt import run  # noqa: E402  the plumbing every step shares: lessons/gpt/run.py
+
 WARMUP_STEPS = 1  # per m, not timed: the first step at a new size allocates and picks kernels
 
 
@@ -94,11 +97,10 @@ def ideal_speedup(num_stages: int, num_micro_batches: int) -> float:
     return num_stages * num_micro_batches / (num_micro_batches + num_stages - 1)
 
 
-def sync(devices) -> None:
-    """Wait for both devices' queued work: CUDA kernels run asynchronously to Python."""
+def sync_all(devices) -> None:
+    """gpt.run's sync for each device: a clock stops only when every one has finished."""
     for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        run.sync(device)
 
 
 def gradients(stages) -> list[torch.Tensor]:
@@ -138,12 +140,12 @@ def sweep(devices, width: int, depth: int, batch_size: int, micro_batch_counts, 
         optimizer = torch.optim.SGD(params, lr=lr)
         seconds = []
         for step in range(WARMUP_STEPS + steps):
-            sync(devices)
+            sync_all(devices)
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             gpipe_step(stages, devices, inputs, targets, m)
             optimizer.step()
-            sync(devices)  # the clock stops when every device has finished
+            sync_all(devices)  # the clock stops when every device has finished
             if step >= WARMUP_STEPS:
                 seconds.append(time.perf_counter() - start)
         step_ms = 1000 * statistics.median(seconds)
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
                         help="one device per stage, e.g. cuda:0,cuda:1 (default: the best pair)")
     parser.add_argument("--width", type=int, default=None,
                         help="features per layer (default 4096 on GPUs only, else 512)")
-    parser.add_argument("--depth", type=int, default=8, help="Linear layers (default 8)")
+    parser.add_argument("--blocks", type=int, default=8, help="Linear layers (default 8)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="samples per step (default 8192 on GPUs only, else 512)")
     parser.add_argument("--micro-batches", type=parse_counts, default=[1, 2, 4, 8, 16, 32],
@@ -253,18 +255,18 @@ def main(argv=None) -> int:
     on_gpus = all(d.type == "cuda" for d in devices)
     width = args.width or (4096 if on_gpus else 512)
     batch_size = args.batch_size or (8192 if on_gpus else 512)
-    if min(width, args.depth, batch_size, args.steps) < 1:
-        parser.error("--width, --depth, --batch-size and --steps must be at least 1")
-    if args.depth < len(devices):
-        parser.error(f"--depth {args.depth} is too small for {len(devices)} stages")
+    if min(width, args.blocks, batch_size, args.steps) < 1:
+        parser.error("--width, --blocks, --batch-size and --steps must be at least 1")
+    if args.blocks < len(devices):
+        parser.error(f"--blocks {args.blocks} is too small for {len(devices)} stages")
     counts = [m for m in args.micro_batches if m <= batch_size]
     if not counts:
         parser.error(f"every --micro-batches value exceeds the batch size {batch_size}")
 
     print(f"torch {torch.__version__}; {len(devices)} stages on "
-          f"{' -> '.join(str(d) for d in devices)}; {args.depth} layers of width {width}, "
+          f"{' -> '.join(str(d) for d in devices)}; {args.blocks} layers of width {width}, "
           f"batch {batch_size}; median of {args.steps} steps per m")
-    rows = sweep(devices, width, args.depth, batch_size, counts, args.steps)
+    rows = sweep(devices, width, args.blocks, batch_size, counts, args.steps)
     explain(devices)
 
     if args.plot is not None:
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
         plot(rows, devices, args.plot)
         print(f"plot written to {args.plot}")
     if args.result is not None:
-        result = {"devices": [str(d) for d in devices], "width": width, "depth": args.depth,
+        result = {"devices": [str(d) for d in devices], "width": width, "blocks": args.blocks,
                   "batch_size": batch_size, "steps": args.steps, "rows": rows,
                   "torch": torch.__version__}
         args.result.parent.mkdir(parents=True, exist_ok=True)

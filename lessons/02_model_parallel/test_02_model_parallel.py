@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, train_val_split
+from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, run, train_val_split
 from torch import nn
 from torch.utils.data import Subset
 
@@ -804,7 +804,7 @@ def test_train_py_split_training_equals_one_device(train, gpt_data, devices, mic
             "len(inputs): 1 / M is right only when M divides the batch")
     for epoch in (1, 2):
         batches = list(loader)  # the same shuffled order for both
-        got = train.train_one_epoch(model, batches, optimizer, devices[0],
+        got = train.train_one_epoch(model, batches, optimizer, devices,
                                     micro_batches=micro_batches)
         expected = reference_epoch(reference, batches, reference_optimizer)
         try:
@@ -828,7 +828,9 @@ def test_train_py_evaluates_a_split_model_like_one_device(train, gpt_data, devic
     model = train.split_across(make_gpt(dataset.vocab_size), devices)
     reference = make_gpt(dataset.vocab_size)
     _, val_loader = train.make_loaders(train_set, val_set, 10, seed=0, device=devices[0])
-    loss, accuracy = train.evaluate(model, val_loader, devices[0])  # batches of 10, 10, 4
+    # gpt.run's evaluate: the batch goes in on the first device, the targets meet the logits on
+    # the second.
+    loss, accuracy = run.evaluate(model, val_loader, devices[0])  # batches of 10, 10, 4
     inputs, targets = (torch.stack(t) for t in zip(*val_set, strict=True))
     with torch.no_grad():
         logits, expected_loss = reference(inputs, targets)
@@ -922,7 +924,7 @@ def test_batchnorm_breaks_the_micro_batch_equivalence(sweep):
 SCRIPT_RUNS = {
     # An epoch over the first 480 windows: 30 steps, enough for the loss to fall clearly.
     "train.py": ["--epochs", "1", "--train-windows", "480", "--micro-batches", "2"],
-    "pipeline_sweep.py": ["--width", "16", "--depth", "4", "--batch-size", "30",
+    "pipeline_sweep.py": ["--width", "16", "--blocks", "4", "--batch-size", "30",
                           "--micro-batches", "1,2,4,64", "--steps", "2"],
 }
 
@@ -932,8 +934,8 @@ def script_runs():
     runs = {name: start_script(LESSONS_DIR / LESSON / name, *args)
             for name, args in SCRIPT_RUNS.items()}
     yield runs
-    for run in runs.values():
-        run.stop()
+    for launched in runs.values():
+        launched.stop()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -996,7 +998,7 @@ def test_pipeline_sweep_prints_a_row_per_micro_batch_count(script_runs):
 def test_pipeline_sweep_plot_needs_matplotlib_only_when_asked(sweep, tmp_path, monkeypatch,
                                                               capsys):
     path = tmp_path / "sweep.png"
-    args = ["--devices", "cpu,cpu", "--width", "8", "--depth", "2", "--batch-size", "4",
+    args = ["--devices", "cpu,cpu", "--width", "8", "--blocks", "2", "--batch-size", "4",
             "--micro-batches", "1,2", "--steps", "1", "--plot", str(path)]
     try:
         import matplotlib  # noqa: F401

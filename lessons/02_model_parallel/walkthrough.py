@@ -206,7 +206,8 @@ stages = [big[:4].to(devices[0]), big[4:].to(devices[1])]
 x, y = torch.randn(512, 256).to(devices[0]), torch.randn(512, 256).to(devices[1])
 
 
-def sync():
+def sync_all(devices):
+    """Wait for every device's queued work: CUDA kernels run asynchronously to Python."""
     for device in set(devices):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -224,11 +225,11 @@ def gpipe_step(m):
 
 for m in (1, 2, 4, 8):
     gpipe_step(m)  # warm-up
-    sync()
+    sync_all(devices)
     start = time.perf_counter()
     for _ in range(3):
         gpipe_step(m)
-    sync()
+    sync_all(devices)
     print(f"m = {m}: {(time.perf_counter() - start) / 3 * 1000:6.1f} ms per forward + backward")
 
 # %% [markdown]

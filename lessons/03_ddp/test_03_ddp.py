@@ -1205,12 +1205,16 @@ def windows_read(ctx, epochs: int) -> list[int]:
             read.append(int(i))
             return super().__getitem__(i)
 
-    real = train.CharDataset
-    train.CharDataset = lambda block_size: Recorded(block_size, text=load_text()[:SHORT_TEXT])
+    def recorded_windows(size: str, train_windows=None):  # gpt.run.windows, on the short text
+        dataset = Recorded(SIZES[size]["block_size"], text=load_text()[:SHORT_TEXT])
+        return (dataset, *train_val_split(dataset))
+
+    real = train.run.windows  # gpt.run, the module the script calls it from
+    train.run.windows = recorded_windows
     try:
         train.fit(ctx.device, epochs=epochs, batch_size=4, log=lambda *args, **kwargs: None)
     finally:
-        train.CharDataset = real
+        train.run.windows = real
     return read
 
 
@@ -1293,5 +1297,6 @@ def test_script_explains_more_ranks_than_gpus(train_script, monkeypatch, capsys)
 
 
 def test_the_script_and_the_exercise_name_the_same_launcher_variables(ex):
-    """One meaning of LAUNCHER_VARIABLES: what train_ddp.py checks is what task3_2 checks."""
-    assert load_lesson_module(LESSON, "train_ddp").LAUNCHER_VARIABLES == ex.LAUNCHER_VARIABLES
+    """One meaning of LAUNCHER_VARIABLES: what train_ddp.py checks (with gpt.run's setup) is what
+    task3_2 checks."""
+    assert load_lesson_module(LESSON, "train_ddp").run.LAUNCHER_VARIABLES == ex.LAUNCHER_VARIABLES

@@ -11,78 +11,19 @@ during backward. --batch-size is per process: the global batch is world size x b
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
-from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, train_val_split  # noqa: E402
-
-
-def choose_device(requested: str = "auto") -> torch.device:
-    """The one place the device is decided; everything after this only uses the answer."""
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(requested)
-    except RuntimeError:
-        raise ValueError(f"device {requested!r} is unknown; try cpu, cuda or cuda:1") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {requested!r}: this script runs on cpu or cuda")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.type == "cuda" and gpus == 0:
-        why = ("this torch build has no CUDA support" if torch.version.cuda is None
-               else "no CUDA GPU is visible to this process")
-        raise ValueError(f"device {requested!r}: {why} (torch {torch.__version__}); "
-                         "use cpu or auto")
-    if device.type == "cuda" and (device.index or 0) >= gpus:
-        raise ValueError(f"device {requested!r}: this machine has {gpus} GPU(s), "
-                         f"cuda:0 to cuda:{gpus - 1}")
-    return device
-
-
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def setup(backend: str = "auto") -> tuple[int, int, torch.device]:
-    """Join the launcher's process group (no launcher: a group of one): rank, world, device."""
-    missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
-    if 0 < len(missing) < len(LAUNCHER_VARIABLES):
-        raise ValueError(f"the launcher did not set {missing}; start with: "
-                         "torchrun --standalone --nproc-per-node=N train_ddp.py")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":  # nccl only when every process on this machine has a GPU of its own
-        backend = "nccl" if gpus >= local_world_size else "gloo"
-    if backend == "nccl" and gpus < local_world_size:
-        raise ValueError(f"--backend nccl needs CUDA GPUs, one per process: {local_world_size} "
-                         f"processes on this machine, {gpus} GPU(s) visible; use gloo")
-    device = choose_device(f"cuda:{os.getenv('LOCAL_RANK', 0)}" if backend == "nccl" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before anything else touches CUDA
-    timeout = datetime.timedelta(seconds=60)  # a missing peer becomes an error, not a hang
-    if not missing:
-        dist.init_process_group(backend, timeout=timeout)  # reads the variables above
-    else:  # a store on port 0: the OS picks a free port
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work: CUDA kernels run asynchronously to Python."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# gpt: the running example (model, data); gpt.run: the plumbing every step shares
+from gpt import GPT, GPTConfig, run  # noqa: E402
 
 
 def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.device):
@@ -95,15 +36,7 @@ def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.d
     return train_loader, val_loader
 
 
-def next_char_loss(model, inputs, targets, bf16: bool, reduction: str = "mean"):
-    """Logits for every position, and the cross-entropy of predicting each next character."""
-    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits, _ = model(inputs)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
-    return logits, loss
-
-
-def train_one_epoch(model, loader, optimizer, device, bf16: bool = False) -> float:
+def train_one_epoch(model, loader, optimizer, device, amp=None) -> float:
     """One pass over ``loader``; returns the mean training loss per sample."""
     model.train()
     # Summed where the loss is (a tensor from the first step on): a .item() per step would
@@ -113,7 +46,7 @@ def train_one_epoch(model, loader, optimizer, device, bf16: bool = False) -> flo
         # non_blocking: with pinned memory the copy overlaps with work already queued on the GPU.
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        _, loss = next_char_loss(model, inputs, targets, bf16)
+        _, loss = run.next_char_loss(model, inputs, targets, amp)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP all-reduces gradient buckets as they become ready
         optimizer.step()
@@ -124,47 +57,11 @@ def train_one_epoch(model, loader, optimizer, device, bf16: bool = False) -> flo
     return (totals[0] / totals[1]).item()
 
 
-def evaluate(model, loader, device, bf16: bool = False) -> tuple[float, float]:
-    """Exact mean loss per character and next-character accuracy, however the batches fall."""
-    was_training = model.training
-    model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0  # tensors on the device after the first batch
-    with torch.no_grad():
-        for inputs, targets in loader:
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            # A sum, not a mean: the short last batch must weigh by its size, not as a full one.
-            logits, loss = next_char_loss(model, inputs, targets, bf16, reduction="sum")
-            loss_sum += loss
-            correct += (logits.argmax(dim=-1) == targets).sum()
-            seen += targets.numel()
-    model.train(was_training)
-    return (loss_sum / seen).item(), (correct / seen).item()
-
-
-def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
-    """``length`` characters generated after a newline, always from the same random draws."""
-    start = torch.tensor([dataset.encode("\n")], device=device)
-    ids = model.generate(start, length, generator=torch.Generator().manual_seed(0))
-    return dataset.decode(ids[0, 1:])
-
-
-def save_checkpoint(model, path: Path) -> None:
-    """Write to a temporary name, then rename: a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    torch.save(model.state_dict(), partial)
-    os.replace(partial, path)
-
-
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
         compile: bool = False, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
-    dataset = CharDataset(SIZES[size]["block_size"])
-    train_set, val_set = train_val_split(dataset)
-    if train_windows:  # a quick run: the first windows only
-        train_set = Subset(train_set, range(min(train_windows, len(train_set))))
+    dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
 
     # Built on the CPU from its own seeded generator, then moved: the same start on any device.
@@ -174,103 +71,53 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # The compiled module shares its parameters with `model`; we keep `model` for saving.
     step_model = torch.compile(ddp_model) if compile else ddp_model
+    amp = torch.bfloat16 if bf16 else None
 
     where = (f"world size {dist.get_world_size()}, backend {dist.get_backend()}, global batch "
              f"{dist.get_world_size()} x {batch_size}")
-    log(f"device {device} ({where}), torch {torch.__version__}, {len(train_set)} train / "
-        f"{len(val_set)} val windows of {dataset.block_size} characters, "
-        f"{model.num_parameters():,} parameters, seed {seed}")
-    result = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
-              "device": str(device), "size": size, "seed": seed, "epochs": epochs,
-              "batch_size": batch_size, "lr": lr, "bf16": bf16, "compile": compile,
-              "torch": torch.__version__, "sample_before": sample(model, dataset, device),
-              "train_loss": [], "val_loss": [], "val_accuracy": [], "epoch_seconds": []}
-    log(f"sample before training: {result['sample_before']!r}")
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+                              world_size=dist.get_world_size(), backend=dist.get_backend(),
+                              size=size, seed=seed, epochs=epochs, batch_size=batch_size,
+                              lr=lr, bf16=bf16, compile=compile)
     for epoch in range(1, epochs + 1):
-        sync(device)  # start the clock with nothing still queued from before
+        run.sync(device)  # start the clock with nothing still queued from before
         start = time.perf_counter()
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        train_loss = train_one_epoch(step_model, train_loader, optimizer, device, bf16)
-        sync(device)  # stop it only when the GPU has really finished the epoch
+        train_loss = train_one_epoch(step_model, train_loader, optimizer, device, amp)
+        run.sync(device)  # stop it only when the GPU has really finished the epoch
         seconds = time.perf_counter() - start
-        val_loss, val_accuracy = evaluate(step_model, val_loader, device, bf16)
-        for key, value in (("train_loss", train_loss), ("val_loss", val_loss),
-                           ("val_accuracy", val_accuracy), ("epoch_seconds", seconds)):
-            result[key].append(value)
-        log(f"epoch {epoch}/{epochs}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
-            f"val acc {val_accuracy:6.1%}  {len(train_set) / seconds:9,.0f} samples/s")
-
-    # The first epoch pays one-off costs (CUDA start-up, kernel selection, compilation).
-    steady = result["epoch_seconds"][1:] or result["epoch_seconds"]
-    result["samples_per_s"] = len(train_set) * len(steady) / sum(steady)
-    result["sample_after"] = sample(model, dataset, device)
-    result["params_sha256"] = parameter_digest(model)
-    log(f"sample after training:  {result['sample_after']!r}")
-    log(f"throughput {result['samples_per_s']:,.0f} samples/s"
-        f"{' (first epoch excluded as warm-up)' if epochs > 1 else ''}; "
-        f"parameters sha256 {result['params_sha256'][:16]}...")
-    return model, result
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+        val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds)
+    return model, run.finish_result(result, log, model, dataset, device)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                         help="auto (default): nccl with a GPU per process, else gloo")
-    parser.add_argument("--size", default="tiny", choices=["tiny", "gpu"],
-                        help="tiny (default): 56k parameters; gpu: 14M, worth a GPU")
-    parser.add_argument("--epochs", type=positive_int, default=3)
-    parser.add_argument("--batch-size", type=positive_int, default=16)
-    parser.add_argument("--lr", type=positive_float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-windows", type=positive_int, default=None,
-                        help="train on the first N windows only (quick runs; default: all)")
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="CPU threads (default 1: the tiny model's matrices are too small "
-                             "to share out)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--checkpoint", type=Path, help="save the trained weights here")
-    parser.add_argument("--result", type=Path, help="write the result as JSON to this path")
     parser.add_argument("--local-rank", "--local_rank", type=int)  # torch.distributed.launch's
-    return parser.parse_args(argv)
+    return run.add_common_arguments(parser).parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        rank, world_size, device = setup(args.backend)
+        rank, world_size, device = run.setup(args.backend, __file__)
     except ValueError as err:
-        print(f"{Path(__file__).name}: error: {err}", file=sys.stderr)
-        return 2
+        return run.refuse(__file__, err)
     torch.set_num_threads(args.threads)
-    log = print if rank == 0 else (lambda *args, **kwargs: None)  # progress from rank 0 only
+    log = run.rank_zero_log(rank)  # progress from rank 0 only
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, log=log)
     if args.checkpoint is not None and rank == 0:  # the copies are equal: one writer is enough
-        save_checkpoint(model, args.checkpoint)
-        print(f"checkpoint saved to {args.checkpoint}")
+        run.save_checkpoint(model.state_dict(), args.checkpoint)
     dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
     gc.collect()  # DDP's reference cycles hold the group: free them before destroying it
     dist.destroy_process_group()
     if args.result is not None and rank == 0:
-        args.result.parent.mkdir(parents=True, exist_ok=True)
-        args.result.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"result written to {args.result}")
+        run.write_result(result, args.result)
     return 0
 
 

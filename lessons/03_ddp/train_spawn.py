@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 # The model, data and training loop are train_ddp.py's: only the start-up differs.
 import train_ddp
+from gpt.run import positive_int  # train_ddp.py has put lessons/ on the path
 
 
 def worker(index: int, nprocs: int, port: int, argv: list[str]) -> None:
@@ -46,7 +47,7 @@ def free_port() -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=train_ddp.positive_int, default=2)
+    parser.add_argument("--nprocs", type=positive_int, default=2)
     args, rest = parser.parse_known_args(argv)  # the rest goes to train_ddp.py
     try:
         # join=True: wait for every process; a failure in one is raised here.

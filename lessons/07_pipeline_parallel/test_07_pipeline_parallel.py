@@ -1104,3 +1104,10 @@ def test_script_refuses_a_batch_that_does_not_cut_into_micro_batches(train_scrip
     assert train_script.main(["--batch-size", "10", "--micro-batches", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "10" in err[0] and "4 micro-batches" in err[0], err
+
+
+def test_script_refuses_compile(train_script, capsys):
+    """--compile is every script's flag, but dynamo would cut the graphs at the clock's hooks."""
+    assert train_script.main(["--compile"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train_pp.py: error: --compile"), err

@@ -5,7 +5,7 @@
 
 In the style of the standard NCCL benchmarks (nccl-tests): each collective runs on every size
 from ``--min-bytes`` to ``--max-bytes`` (times 4 each row), a few untimed warm-up calls first,
-then ``--repeats`` loops of ``--iters`` timed calls back to back; a row's time is the median
+then ``--repeats`` loops of ``--steps`` timed calls back to back; a row's time is the median
 loop's mean, on the slowest rank. The bus
 bandwidth multiplies the algorithm bandwidth (payload / time) by what a rank of a ring sends per
 byte of payload, 2 (W - 1) / W for an all-reduce, so that it can be compared with the link's
@@ -177,9 +177,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ", ".join(OPS))
     parser.add_argument("--min-bytes", type=int, default=1024)
     parser.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024)
-    parser.add_argument("--iters", type=int, default=5, help="calls timed back to back")
+    parser.add_argument("--steps", type=int, default=5, help="calls timed back to back")
     parser.add_argument("--repeats", type=int, default=5,
-                        help="timed loops of --iters calls per row: the row is their median")
+                        help="timed loops of --steps calls per row: the row is their median")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--csv", type=Path, help="write every row here")
@@ -188,10 +188,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = sorted(set(ops) - set(OPS))
-    if (unknown or not 0 < args.min_bytes <= args.max_bytes or args.iters < 1
+    if (unknown or not 0 < args.min_bytes <= args.max_bytes or args.steps < 1
             or args.repeats < 1):
         print(f"error: ops must be among {', '.join(OPS)} (got {unknown or ops}), and "
-              f"0 < --min-bytes <= --max-bytes, --iters >= 1, --repeats >= 1", file=sys.stderr)
+              f"0 < --min-bytes <= --max-bytes, --steps >= 1, --repeats >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     rank, world, device = start(args.backend)
@@ -205,11 +205,11 @@ def main(argv=None) -> int:
     rows = []
     if rank == 0:
         print(f"{backend}, {world} ranks, {device.type}; time = the median of {args.repeats} "
-              f"loops of the slowest rank's mean of {args.iters}")
+              f"loops of the slowest rank's mean of {args.steps}")
         print(f"{'op':>15} {'bytes':>10} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}")
     for op in ops:
         for size in sizes_between(args.min_bytes, args.max_bytes):
-            seconds = time_collective(op, size, device, args.iters, args.warmup,
+            seconds = time_collective(op, size, device, args.steps, args.warmup,
                                       repeats=args.repeats)
             algbw = size / seconds / 1e9
             rows.append({"op": op, "backend": backend, "world_size": world, "bytes": size,

@@ -184,7 +184,9 @@ def build(method: str, config: GPTConfig, device: torch.device, batch_size: int,
                                 loss_fn=lambda logits, y: F.cross_entropy(logits.mT, y))
 
         def step() -> None:
-            schedule.step(*[inputs] * first, **dict(target=targets) if last else {})
+            stage_inputs = (inputs,) if first else ()  # the first stage takes the batch
+            stage_targets = {"target": targets} if last else {}  # the last one, its targets
+            schedule.step(*stage_inputs, **stage_targets)
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
 

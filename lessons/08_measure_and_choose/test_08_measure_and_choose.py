@@ -728,7 +728,7 @@ TINY = dict(width=32, blocks=2, context=16, batch_size=8)  # compare_methods.py'
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
-    bench = start_script(BENCH, "--max-bytes", "16384", "--iters", "1", "--warmup", "1",
+    bench = start_script(BENCH, "--max-bytes", "16384", "--steps", "1", "--warmup", "1",
                          "--csv", str(folder / "c.csv"), "--plot", str(folder / "c.svg"),
                          launcher="torchrun", nproc=2)
     costs = start_script(COSTS, "--width", "32", "--blocks", "2", "--context", "16",
@@ -866,7 +866,7 @@ def test_scaling_refuses_anything_but_two_ranks(outside_launcher, capsys):
 @pytest.mark.slow
 @needs_gpus(2, "nccl, 2 ranks")
 def test_collective_benchmark_on_two_gpus_uses_nccl(tmp_path):
-    run = run_script(BENCH, "--max-bytes", "1048576", "--iters", "2", launcher="torchrun",
+    run = run_script(BENCH, "--max-bytes", "1048576", "--steps", "2", launcher="torchrun",
                      nproc=2)
     assert run.data["backend"] == "nccl", run.data["backend"]
     assert {r["op"] for r in run.data["rows"]} == set(OPS)
@@ -891,10 +891,11 @@ def amp_fit(ctx, checkpoint: str) -> dict:
     """train_amp.py's fit() on pooled ranks, as its main() runs it under torchrun (the
     manifest's smallest run launches the script itself): 2 x 8, fp16, bf16 gradients."""
     script = load_lesson_module(LESSON, "train_amp")
-    model, scaler, result = script.fit(ctx.device, epochs=1, batch_size=8, train_windows=64,
-                                       fp16=True, comm_hook="bf16", log=lambda *a, **k: None)
+    model, result = script.fit(ctx.device, epochs=1, batch_size=8, train_windows=64,
+                               fp16=True, comm_hook="bf16", log=lambda *a, **k: None)
     if ctx.rank == 0:
-        script.save_checkpoint(model, scaler, Path(checkpoint))
+        script.run.save_checkpoint({"model": model.state_dict(), "scaler": result["scaler"]},
+                               Path(checkpoint), log=lambda *a, **k: None)
     return result
 
 

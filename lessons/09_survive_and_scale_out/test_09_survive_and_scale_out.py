@@ -1027,8 +1027,8 @@ def script_fit_on_rank(ctx, name: str, folder: str | None, **options) -> dict:
     script = load_lesson_module(LESSON, name)
     quiet = dict(epochs=2, batch_size=8, train_windows=32, dropout=0.1,
                  log=lambda *args, **kwargs: None)
-    model, _, result = script.fit(ctx.device, checkpoint_dir=folder and Path(folder),
-                                  **{**quiet, **options})
+    model, result = script.fit(ctx.device, checkpoint_dir=folder and Path(folder),
+                               **{**quiet, **options})
     return {"digest": parameter_digest(model), "train_loss": result["train_loss"]}
 
 

@@ -20,9 +20,7 @@ torchrun --max-restarts=1 starts the group again and the script resumes, bitwise
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import signal
 import sys
@@ -32,70 +30,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
-from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, train_val_split  # noqa: E402
-from gpt.run import replace_directory, rng_state, set_rng_state  # noqa: E402
-
-
-def choose_device(requested: str = "auto") -> torch.device:
-    """The one place the device is decided; everything after this only uses the answer."""
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(requested)
-    except RuntimeError:
-        raise ValueError(f"device {requested!r} is unknown; try cpu, cuda or cuda:1") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {requested!r}: this script runs on cpu or cuda")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.type == "cuda" and gpus == 0:
-        why = ("this torch build has no CUDA support" if torch.version.cuda is None
-               else "no CUDA GPU is visible to this process")
-        raise ValueError(f"device {requested!r}: {why} (torch {torch.__version__}); "
-                         "use cpu or auto")
-    if device.type == "cuda" and (device.index or 0) >= gpus:
-        raise ValueError(f"device {requested!r}: this machine has {gpus} GPU(s), "
-                         f"cuda:0 to cuda:{gpus - 1}")
-    return device
-
-
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def setup(backend: str = "auto") -> tuple[int, int, torch.device]:
-    """Join the launcher's process group (no launcher: a group of one): rank, world, device."""
-    missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
-    if 0 < len(missing) < len(LAUNCHER_VARIABLES):
-        raise ValueError(f"the launcher did not set {missing}; start with: "
-                         "torchrun --standalone --nproc-per-node=N train_ddp.py")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":  # nccl only when every process on this machine has a GPU of its own
-        backend = "nccl" if gpus >= local_world_size else "gloo"
-    if backend == "nccl" and gpus < local_world_size:
-        raise ValueError(f"--backend nccl needs CUDA GPUs, one per process: {local_world_size} "
-                         f"processes on this machine, {gpus} GPU(s) visible; use gloo")
-    device = choose_device(f"cuda:{os.getenv('LOCAL_RANK', 0)}" if backend == "nccl" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before anything else touches CUDA
-    timeout = datetime.timedelta(seconds=60)  # a missing peer becomes an error, not a hang
-    if not missing:
-        dist.init_process_group(backend, timeout=timeout)  # reads the variables above
-    else:  # a store on port 0: the OS picks a free port
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work: CUDA kernels run asynchronously to Python."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# gpt: the running example (model, data); gpt.run: the plumbing every step shares
+from gpt import GPT, GPTConfig, run  # noqa: E402
 
 
 class ResumableSampler(DistributedSampler):
@@ -128,14 +69,6 @@ def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.d
     return train_loader, val_loader
 
 
-def next_char_loss(model, inputs, targets, amp: torch.dtype | None, reduction: str = "mean"):
-    """Logits for every position, and the cross-entropy of predicting each next character."""
-    with torch.autocast(inputs.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
-        logits, _ = model(inputs)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
-    return logits, loss
-
-
 def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp=None,
                     position=None, after_step=None) -> float:
     """The rest of the epoch in ``loader``; returns the mean training loss per sample."""
@@ -147,56 +80,31 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp=Non
         # non_blocking: with pinned memory the copy overlaps with work already queued on the GPU.
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        _, loss = next_char_loss(model, inputs, targets, amp)
+        _, loss = run.next_char_loss(model, inputs, targets, amp)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # DDP all-reduces the scaled gradients' buckets
         scaler.step(optimizer)  # unscales; skips the step if a gradient is inf or nan
         scaler.update()  # a smaller scale after an overflow, a larger one after a calm run
         scheduler.step()  # the learning rate of the next step
-        position.update(start=position["start"] + targets.shape[0], step=position["step"] + 1)
-        after_step(position)  # now and then a checkpoint; a crash when asked for one
         loss_sum += loss.detach() * targets.shape[0]
         seen += targets.shape[0]
+        position.update(start=position["start"] + targets.shape[0], step=position["step"] + 1)
+        after_step(position)  # now and then a checkpoint; a crash when asked for one
     totals = torch.stack([loss_sum, torch.tensor(float(seen), device=device)])
     dist.all_reduce(totals)  # every rank's share of the epoch
     return (totals[0] / totals[1]).item()
 
 
-def evaluate(model, loader, device, amp=None) -> tuple[float, float]:
-    """Exact mean loss per character and next-character accuracy, however the batches fall."""
-    was_training = model.training
-    model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0  # tensors on the device after the first batch
-    with torch.no_grad():
-        for inputs, targets in loader:
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            # A sum, not a mean: the short last batch must weigh by its size, not as a full one.
-            logits, loss = next_char_loss(model, inputs, targets, amp, reduction="sum")
-            loss_sum += loss
-            correct += (logits.argmax(dim=-1) == targets).sum()
-            seen += targets.numel()
-    model.train(was_training)
-    return (loss_sum / seen).item(), (correct / seen).item()
-
-
-def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
-    """``length`` characters generated after a newline, always from the same random draws."""
-    start = torch.tensor([dataset.encode("\n")], device=device)
-    ids = model.generate(start, length, generator=torch.Generator().manual_seed(0))
-    return dataset.decode(ids[0, 1:])
-
-
 def save_state(path: Path, parts: dict, position: dict) -> None:
     """Rank 0 writes <path>.partial/train.pt, with every rank's generators, then renames it."""
     generators = [None] * dist.get_world_size()  # each rank's: they draw different masks
-    dist.all_gather_object(generators, rng_state())  # bytes: map_location cannot move them
+    dist.all_gather_object(generators, run.rng_state())  # bytes: map_location cannot move them
     if dist.get_rank() == 0:
         partial = path.with_name(path.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)  # an earlier crash's is overwritten
         torch.save({**{name: part.state_dict() for name, part in parts.items()},
                     "position": position, "generators": generators}, partial / "train.pt")
-        replace_directory(partial, path)  # fsynced, then renamed: whole or not at all
+        run.replace_directory(partial, path)  # fsynced, then renamed: whole or not at all
     dist.barrier()  # no rank goes on before it is there
 
 
@@ -211,16 +119,8 @@ def load_state(path: Path, parts: dict, device) -> dict:
     state = torch.load(path / "train.pt", map_location=device, weights_only=True)
     for name, part in parts.items():
         part.load_state_dict(state[name])
-    set_rng_state(state["generators"][dist.get_rank()])  # this rank's own, CUDA's too
+    run.set_rng_state(state["generators"][dist.get_rank()])  # this rank's own, CUDA's too
     return state["position"]
-
-
-def save_checkpoint(model, scaler, path: Path) -> None:
-    """Write to a temporary name, then rename: a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    torch.save({"model": model.state_dict(), "scaler": scaler.state_dict()}, partial)
-    os.replace(partial, path)
 
 
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
@@ -229,10 +129,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
         dropout: float = 0.0, checkpoint_dir: Path | None = None, save_every: int = 0,
         crash_at_step: int = 0, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
-    dataset = CharDataset(SIZES[size]["block_size"])
-    train_set, val_set = train_val_split(dataset)
-    if train_windows:  # a quick run: the first windows only
-        train_set = Subset(train_set, range(min(train_windows, len(train_set))))
+    dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
 
     # Built on the CPU from its own seeded generator, then moved: the same start on any device.
@@ -246,23 +143,18 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     if comm_hook == "bf16":  # torch's hook, under a name DDP accepts on any build (lesson 08)
         ddp_model.register_comm_hook(
             None, lambda state, bucket: default_hooks.bf16_compress_hook(state, bucket))
-    amp = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16)  # disabled: passes steps through
     # The compiled module shares its parameters with `model`; we keep `model` for saving.
     step_model = torch.compile(ddp_model) if compile else ddp_model
+    amp = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)  # disabled: passes steps through
 
     where = (f"world size {dist.get_world_size()}, backend {dist.get_backend()}, global batch "
              f"{dist.get_world_size()} x {batch_size}")
-    log(f"device {device} ({where}), torch {torch.__version__}, {len(train_set)} train / "
-        f"{len(val_set)} val windows of {dataset.block_size} characters, "
-        f"{model.num_parameters():,} parameters, seed {seed}")
-    result = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
-              "device": str(device), "size": size, "seed": seed, "epochs": epochs,
-              "batch_size": batch_size, "lr": lr, "bf16": bf16, "compile": compile,
-              "fp16": fp16, "comm_hook": comm_hook, "ddp_options": ddp_options or {},
-              "torch": torch.__version__, "sample_before": sample(model, dataset, device),
-              "train_loss": [], "val_loss": [], "val_accuracy": [], "epoch_seconds": []}
-    log(f"sample before training: {result['sample_before']!r}")
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+                              world_size=dist.get_world_size(), backend=dist.get_backend(),
+                              size=size, seed=seed, epochs=epochs, batch_size=batch_size,
+                              lr=lr, bf16=bf16, compile=compile, fp16=fp16, comm_hook=comm_hook,
+                              ddp_options=ddp_options or {})
     torch.manual_seed(seed + dist.get_rank())  # each rank draws its own dropout masks
     parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     position = {"epoch": 1, "start": 0, "step": 0}  # start: this rank's samples done this epoch
@@ -277,99 +169,56 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
         every = position["step"] % save_every == 0 if save_every else position["start"] == 0
         if checkpoint_dir is not None and every:  # every N steps, or at the end of each epoch
             save_state(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
-        rank, first_try = dist.get_rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        rank = dist.get_rank()
+        first_try = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if position["step"] == crash_at_step and first_try and rank == dist.get_world_size() - 1:
             print(f"rank {rank}: killing itself after step {crash_at_step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no exit code: a lost machine
     for epoch in range(position["epoch"], epochs + 1):
-        sync(device)  # start the clock with nothing still queued from before
+        run.sync(device)  # start the clock with nothing still queued from before
         start = time.perf_counter()
         # A new shuffle each epoch, the same on all ranks; a resumed epoch from where it was.
         train_loader.sampler.set_epoch(epoch, position["start"])
         train_loss = train_one_epoch(step_model, train_loader, optimizer, scheduler, scaler,
                                      device, amp, position, after_step)
-        sync(device)  # stop it only when the GPU has really finished the epoch
+        run.sync(device)  # stop it only when the GPU has really finished the epoch
         seconds = time.perf_counter() - start
-        val_loss, val_accuracy = evaluate(step_model, val_loader, device, amp)
-        for key, value in (("train_loss", train_loss), ("val_loss", val_loss),
-                           ("val_accuracy", val_accuracy), ("epoch_seconds", seconds)):
-            result[key].append(value)
-        log(f"epoch {epoch}/{epochs}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
-            f"val acc {val_accuracy:6.1%}  {len(train_set) / seconds:9,.0f} samples/s")
-
-    # The first epoch pays one-off costs (CUDA start-up, kernel selection, compilation).
-    steady = result["epoch_seconds"][1:] or result["epoch_seconds"]
-    result["samples_per_s"] = len(train_set) * len(steady) / (sum(steady) or float("inf"))
-    result["sample_after"] = sample(model, dataset, device)
-    result["params_sha256"] = parameter_digest(model)
+        val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds, epoch)
     result["scaler"] = scaler.state_dict()  # empty when disabled
-    log(f"sample after training:  {result['sample_after']!r}")
-    log(f"throughput {result['samples_per_s']:,.0f} samples/s"
-        f"{' (first epoch excluded as warm-up)' if epochs > 1 else ''}; "
-        f"parameters sha256 {result['params_sha256'][:16]}...")
-    return model, scaler, result
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+    return model, run.finish_result(result, log, model, dataset, device)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                         help="auto (default): nccl with a GPU per process, else gloo")
-    parser.add_argument("--size", default="tiny", choices=["tiny", "gpu"],
-                        help="tiny (default): 56k parameters; gpu: 14M, worth a GPU")
-    parser.add_argument("--epochs", type=positive_int, default=3)
-    parser.add_argument("--batch-size", type=positive_int, default=16)
-    parser.add_argument("--lr", type=positive_float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-windows", type=positive_int, default=None,
-                        help="train on the first N windows only (quick runs; default: all)")
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="CPU threads (default 1: the tiny model's matrices are too small "
-                             "to share out)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--fp16", action="store_true", help="float16 autocast with a GradScaler")
     parser.add_argument("--comm-hook", default="none", choices=["none", "bf16"],
                         help="bf16: all-reduce the gradients in bfloat16")
-    parser.add_argument("--bucket-cap-mb", type=positive_float, help="DDP's bucket size")
+    parser.add_argument("--bucket-cap-mb", type=run.positive_float, help="DDP's bucket size")
     parser.add_argument("--gradient-as-bucket-view", action="store_true")
-    parser.add_argument("--checkpoint", type=Path, help="save the trained weights here")
     parser.add_argument("--checkpoint-dir", type=Path, help="resume from, and save into, here")
     parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--save-every", type=positive_int,
+    parser.add_argument("--save-every", type=run.positive_int,
                         help="steps between checkpoints (default: one after every epoch)")
-    parser.add_argument("--crash-at-step", type=positive_int, default=0,
+    parser.add_argument("--crash-at-step", type=run.positive_int, default=0,
                         help="the last rank kills itself after this step (first attempt only)")
-    parser.add_argument("--result", type=Path, help="write the result as JSON to this path")
     parser.add_argument("--local-rank", "--local_rank", type=int)  # torch.distributed.launch's
-    return parser.parse_args(argv)
+    return run.add_common_arguments(parser).parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.bf16 and args.fp16:
-        print(f"{Path(__file__).name}: error: choose --bf16 or --fp16, not both", file=sys.stderr)
-        return 2
+        return run.refuse(__file__, "choose --bf16 or --fp16, not both")
     try:
-        rank, world_size, device = setup(args.backend)
+        rank, world_size, device = run.setup(args.backend, __file__)
     except ValueError as err:
-        print(f"{Path(__file__).name}: error: {err}", file=sys.stderr)
-        return 2
+        return run.refuse(__file__, err)
     torch.set_num_threads(args.threads)
-    log = print if rank == 0 else (lambda *args, **kwargs: None)  # progress from rank 0 only
+    log = run.rank_zero_log(rank)  # progress from rank 0 only
     where = " ".join(f"{name}={os.environ.get(name, '-')}" for name in (
         "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"))
     # Every rank: who it is, where it runs. One write, so that lines of processes that share a
@@ -377,22 +226,20 @@ def main(argv=None) -> int:
     print(f"{where} device={device}\n", end="", flush=True)
     options = {"gradient_as_bucket_view": args.gradient_as_bucket_view,
                **({"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {})}
-    model, scaler, result = fit(
-        device, size=args.size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-        seed=args.seed, train_windows=args.train_windows, bf16=args.bf16, compile=args.compile,
-        fp16=args.fp16, comm_hook=args.comm_hook, ddp_options=options, dropout=args.dropout,
-        checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0,
-        crash_at_step=args.crash_at_step, log=log)
+    model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
+                        lr=args.lr, seed=args.seed, train_windows=args.train_windows,
+                        bf16=args.bf16, compile=args.compile, fp16=args.fp16,
+                        comm_hook=args.comm_hook, ddp_options=options, dropout=args.dropout,
+                        checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0,
+                        crash_at_step=args.crash_at_step, log=log)
     if args.checkpoint is not None and rank == 0:  # the copies are equal: one writer is enough
-        save_checkpoint(model, scaler, args.checkpoint)
-        print(f"checkpoint saved to {args.checkpoint}")
+        run.save_checkpoint({"model": model.state_dict(), "scaler": result["scaler"]},
+                            args.checkpoint)
     dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
     gc.collect()  # DDP's reference cycles hold the group: free them before destroying it
     dist.destroy_process_group()
     if args.result is not None and rank == 0:
-        args.result.parent.mkdir(parents=True, exist_ok=True)
-        args.result.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"result written to {args.result}")
+        run.write_result(result, args.result)
     return 0
 
 

@@ -68,14 +68,14 @@ if not dist.is_initialized():
 folder = Path(tempfile.mkdtemp(prefix="walkthrough09-"))
 options = dict(epochs=1, batch_size=8, train_windows=64, dropout=0.1, save_every=2,
                checkpoint_dir=folder / "ckpt", log=print)
-model, _, _ = train_resilient.fit(torch.device("cpu"), **options)
+model, _ = train_resilient.fit(torch.device("cpu"), **options)
 uninterrupted = parameter_digest(model)
 print(sorted(p.name for p in (folder / "ckpt").iterdir()))
 
 # %%
 for late in ("step-00000006", "step-00000008"):
     shutil.rmtree(folder / "ckpt" / late)
-model, _, _ = train_resilient.fit(torch.device("cpu"), **options)
+model, _ = train_resilient.fit(torch.device("cpu"), **options)
 print("uninterrupted:", uninterrupted[:16], " resumed:", parameter_digest(model)[:16])
 assert parameter_digest(model) == uninterrupted
 

@@ -24,6 +24,13 @@ class Script:
     # A step of the chain: "<lesson folder>/<script>" this script is a copy of, changed only by
     # what its lesson teaches. harness/chain.py shows the diff in the lesson's README.
     builds_on: str | None = None
+    # A step may change harness/chain.py's MAX_CHANGED_LINES lines of the one it builds on; one
+    # whose lesson really needs more says how many here, and why in a comment beside it.
+    max_changed: int | None = None
+    # A step may be harness/chain.py's MAX_SCRIPT_LINES long; one that carries more lessons than
+    # that (the chain adds up: lesson 09's last step holds DDP, mixed precision, checkpoints and
+    # restarts) says how long here, and why in a comment beside it.
+    max_lines: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +65,7 @@ COURSE: tuple[Lesson, ...] = (
            # The chain starts here; --train-windows 64: an epoch of 4 steps.
            (Script("train.py", smallest=QUICK),
             Script("fast_one_device.py", smallest=(
-                "--device", "cpu", "--width", "32", "--blocks", "1", "--batch", "16",
+                "--device", "cpu", "--width", "32", "--blocks", "1", "--batch-size", "16",
                 "--steps", "2", "--warmup", "1", "--no-compile")))),
     Lesson("01_data_parallel", "nn.DataParallel",
            {"task1_1": "scatter_sizes", "task1_2": "scatter", "task1_3": "replicate",
@@ -98,19 +105,24 @@ COURSE: tuple[Lesson, ...] = (
             "task6_2": "ColumnParallelLinear, RowParallelLinear",
             "task6_3": "TensorParallelMLP, TensorParallelAttention, tensor_parallel_blocks",
             "task6_4": "block_plan, parallelize_gpt", "task6_5": "parallelize_2d"},
+           # 65 changed: the plan (block_plan) and the check of the degree (check_tp) are both
+           # this lesson's. 210 lines: it also holds lesson 05's FSDP2, which 2-D parallel uses.
            (Script("train_tp.py", "torchrun", 2, QUICK,
-                   builds_on="05_sharded_data_parallel/train_fsdp.py"),)),
+                   builds_on="05_sharded_data_parallel/train_fsdp.py", max_changed=65,
+                   max_lines=210),)),
     Lesson("07_pipeline_parallel", "Pipeline parallel: stages, schedules, torch.pipelining",
            {"task7_1": "schedule", "task7_2": "StageRunner", "task7_3": "split_gpt",
             "task7_4": "torch_schedule, torch_step"},
+           # 75 changed: the stage cut, the schedule, the weights shared back for evaluation and
+           # the stages' busy clock are all this lesson's, and none fits into lesson 03's lines.
            (Script("train_pp.py", "torchrun", 2, (*QUICK, "--micro-batches", "2"),
-                   builds_on="03_ddp/train_ddp.py"),)),
+                   builds_on="03_ddp/train_ddp.py", max_changed=75),)),
     Lesson("08_measure_and_choose", "Measure and choose",
            {"task8_1": "bus_bandwidth, fit_alpha_beta",
             "task8_2": "predict_allreduce_seconds, ddp_buckets, predict_ddp_comm_seconds",
             "task8_3": "bf16_compress", "task8_4": "choose_method"},
            (Script("bench_collectives.py", "torchrun", 2,
-                   ("--max-bytes", "4096", "--iters", "1", "--warmup", "1")),
+                   ("--max-bytes", "4096", "--steps", "1", "--warmup", "1")),
             Script("ddp_costs.py", "torchrun", 2,
                    ("--width", "32", "--blocks", "2", "--context", "16", "--steps", "1",
                     "--settings", "0")),
@@ -126,10 +138,15 @@ COURSE: tuple[Lesson, ...] = (
     Lesson("09_survive_and_scale_out", "Survive and scale out",
            {"task9_1": "ResumableSampler, save_training_state, load_training_state",
             "task9_2": "expand_nodelist, slurm_to_torchrun", "task9_3": "resume_point"},
+           # 200 lines: lesson 08's mixed precision and DDP settings, plus the checkpoint that
+           # holds them (save_state, load_state, resume_point).
            (Script("train_checkpoint.py", "torchrun", 2, QUICK,
-                   builds_on="08_measure_and_choose/train_amp.py"),
+                   builds_on="08_measure_and_choose/train_amp.py", max_lines=200),
+            # 62 changed, 250 lines: the resumable sampler, the restart and the mid-epoch
+            # resume come on top of train_checkpoint.py, whole.
             Script("train_resilient.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
-                   builds_on="09_survive_and_scale_out/train_checkpoint.py"),
+                   builds_on="09_survive_and_scale_out/train_checkpoint.py", max_changed=62,
+                   max_lines=250),
             Script("sharded_checkpoint.py", "torchrun", 2, ("--steps", "1")),
             Script("find_a_hang.py", "torchrun", 2, ("--bug", "none", "--dump-after", "60")),
             Script("slurm_args.py", smallest=(

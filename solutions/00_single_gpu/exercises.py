@@ -36,7 +36,9 @@ def choose_device(requested: str | None = None) -> torch.device:
         except RuntimeError:
             raise ValueError(f"bad device {requested!r}: write 'cuda' or 'cuda:N'") from None
         if not torch.cuda.is_available():
-            raise ValueError(f"{requested!r} was requested but CUDA is not available here; "
+            why = ("this torch build has no CUDA support" if torch.version.cuda is None
+                   else "no CUDA GPU is visible to this process")
+            raise ValueError(f"{requested!r} was requested but {why} (torch {torch.__version__}); "
                              "use 'cpu', or 'auto' to take a GPU only when there is one")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
