@@ -30,6 +30,7 @@ from harness.pipeline import (
     reference_schedule,
     simulate,
 )
+from harness.processes import command_line, live_processes
 from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
 
 PROBE = Path(__file__).with_name("probes") / "launch_probe.py"
@@ -78,26 +79,14 @@ def _children() -> set[int]:
     """PIDs of this process's live children: zombies, multiprocessing's resource tracker
     (started once by the first spawn, lives as long as this process) and the pytest fork
     servers of harness.forkserver (the same) excluded."""
-    mine = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[1]) == os.getpid():
-            if b"resource_tracker" not in (entry / "cmdline").read_bytes():
-                mine.add(int(entry.name))
+    mine = {pid for pid, (parent, state) in live_processes().items()
+            if parent == os.getpid() and state != "Z"
+            and "resource_tracker" not in command_line(pid)}
     return mine - forkserver.server_pids()
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return live_processes().get(pid, (0, "Z"))[1] != "Z"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -923,8 +923,7 @@ def wait_until(condition, until: float, every: float = 0.1) -> None:
 
 def workers_of(launch) -> list[int]:
     """The training processes a launch's agent started, alive now."""
-    from harness.launch import descendants
-    from harness.selfcheck import command_line
+    from harness.processes import command_line, descendants
 
     return [pid for pid in descendants(launch.pid) if "train_resilient.py" in command_line(pid)]
 
@@ -945,7 +944,7 @@ def wait_until_saved(folder, step: int) -> None:
 
 
 def alive(pids) -> list[int]:
-    from harness.selfcheck import command_line
+    from harness.processes import command_line
 
     return [pid for pid in pids if command_line(pid)]
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.exercises import SOLUTIONS_DIR, lesson_names
+from harness.course import lesson as course_lesson
+from harness.exercises import LESSONS_DIR, SOLUTIONS_DIR, lesson_names
 from harness.selfcheck import (
     processes_under,
     run_lesson_tests,
@@ -70,11 +71,46 @@ def grade_in_scratch(tmp: Path, lesson: str, task: str, exercise_source: str,
     return {"outcomes": outcomes, "seconds": seconds, "left_behind": left}
 
 
+def task_of(lesson: str, name: str) -> str | None:
+    """The task whose reference answer defines ``name``, per the manifest."""
+    entry = course_lesson(lesson)
+    return next((task for task, sections in entry.tasks.items()
+                 if name in {s.strip() for s in sections.split(",")}), None)
+
+
+def script_copies() -> list[tuple[str, str, str]]:
+    """(lesson, script, name) for every script of the manifest that defines, at top level, a
+    function or class that a task grades: it keeps its own copy (a script runs without the
+    solutions), and the copy must be a right answer to that task."""
+    found = []
+    for lesson in lesson_names():
+        for script in course_lesson(lesson).scripts:
+            path = LESSONS_DIR / lesson / script.path
+            for node in ast.parse(path.read_text()).body:
+                if (isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                        and task_of(lesson, node.name)):
+                    found.append((lesson, script.path, node.name))
+    return found
+
+
+# A script function that shares only its name with a task: what the task asks is another thing.
+NOT_A_COPY = {
+    ("03_ddp", "train_ddp.py", "train_one_epoch"):
+        "task3_4 asks for an epoch of DDP by hand, over a loader that records what it yields",
+}
+
+
+def copy_source(lesson: str, script: str, name: str) -> str:
+    source = (LESSONS_DIR / lesson / script).read_text()
+    node = next(n for n in ast.parse(source).body if getattr(n, "name", None) == name)
+    return ast.get_source_segment(source, node) + "\n"
+
+
 @pytest.fixture(scope="module")
 def graded(request, tmp_path_factory):
     """Start every selected graded run (controls and wrong answers) at once; tests collect them."""
     selected = {item.callspec.params.get(key) for item in request.session.items
-                if hasattr(item, "callspec") for key in ("lesson", "path")}
+                if hasattr(item, "callspec") for key in ("lesson", "path", "copy")}
     pool = ThreadPoolExecutor(max_workers=PARALLEL_RUNS)
     runs = {}
     for lesson in lesson_names():
@@ -90,6 +126,13 @@ def graded(request, tmp_path_factory):
             source = with_wrong_answer(solution, path.read_text())
             runs[path] = pool.submit(grade_in_scratch, tmp_path_factory.mktemp(path.stem),
                                      info["lesson"], info["task"], source)
+    for copy in script_copies():
+        if copy in selected and copy not in NOT_A_COPY:
+            lesson, script, name = copy
+            solution = (SOLUTIONS_DIR / lesson / "exercises.py").read_text()
+            source = with_wrong_answer(solution, copy_source(*copy))
+            runs[copy] = pool.submit(grade_in_scratch, tmp_path_factory.mktemp(name), lesson,
+                                     task_of(lesson, name), source, first_failure=False)
     yield runs
     for future in runs.values():
         future.cancel()
@@ -137,3 +180,24 @@ def test_the_grader_rejects_the_wrong_answer(graded, path, request):
     )
     assert not run["left_behind"], f"processes left behind: {run['left_behind']}"
 
+
+
+@pytest.mark.timeout(RUN_TIMEOUT * 2)
+@pytest.mark.parametrize("copy", [c for c in script_copies() if c not in NOT_A_COPY],
+                         ids=lambda c: f"{c[0]}/{c[1]}:{c[2]}")
+def test_a_script_copy_of_a_task_passes_its_grader(graded, copy):
+    """A script that defines what a task grades (train_tp.py's block_plan, train_resilient.py's
+    ResumableSampler, ...) keeps its own copy, shorter than the reference answer; the task's
+    grader, run on the copy in place of the reference, keeps the two the same function."""
+    lesson, script, name = copy
+    run = graded[copy].result()
+    bad = {node: text[:600] for node, (outcome, text) in run["outcomes"].items()
+           if outcome in ("failure", "error")}
+    assert not bad, (f"lessons/{lesson}/{script}'s {name} fails {task_of(lesson, name)}'s "
+                     f"grader: make it a right answer, as the reference is: {bad}")
+    assert any(outcome == "passed" for outcome, _ in run["outcomes"].values())
+
+
+def test_every_name_that_is_not_a_copy_is_still_defined_by_its_script():
+    gone = set(NOT_A_COPY) - set(script_copies())
+    assert not gone, f"NOT_A_COPY names what no script defines any more: {gone}"

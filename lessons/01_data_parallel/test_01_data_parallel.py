@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.compare import assert_close, assert_parameters_close
+from harness.compare import assert_close, assert_parameters_close, full_fp32
 from harness.exercises import LESSONS_DIR, load_exercise, load_lesson_module, task_of
 from harness.hardware import cuda_device_count, gpu_marks, needs_gpus
 from harness.launch import run_script, start_script
@@ -557,11 +557,9 @@ def test_batchnorm_in_training_sees_only_its_chunk():
 
 @pytest.fixture
 def no_tf32():
-    """Full fp32 matmuls while GPU results are compared with CPU ones (TF32 would differ)."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
+    """Full fp32 matmuls while GPU results are compared with CPU ones (TF32 would round)."""
+    with full_fp32():
+        yield
 
 
 GPU_SETUPS = [

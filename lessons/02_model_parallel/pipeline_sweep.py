@@ -89,6 +89,9 @@ def gpipe_step(stages: list[nn.Module], devices: Sequence[torch.device], inputs:
 
 def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
     """The idle share of each device in a GPipe step: (p - 1) / (m + p - 1)."""
+    if num_stages < 1 or num_micro_batches < 1:
+        raise ValueError(f"need at least one stage and one micro-batch, got num_stages="
+                         f"{num_stages}, num_micro_batches={num_micro_batches}")
     return (num_stages - 1) / (num_micro_batches + num_stages - 1)
 
 

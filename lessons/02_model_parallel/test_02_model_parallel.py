@@ -23,7 +23,7 @@ from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest, run, train
 from torch import nn
 from torch.utils.data import Subset
 
-from harness.compare import assert_close, assert_parameters_close
+from harness.compare import assert_close, assert_parameters_close, full_fp32
 from harness.exercises import (
     LESSONS_DIR,
     load_exercise,
@@ -31,7 +31,7 @@ from harness.exercises import (
     task_of,
 )
 from harness.hardware import cuda_device_count, gpu_marks
-from harness.launch import start_script
+from harness.launch import start_first, start_script
 
 LESSON = "02_model_parallel"
 META = torch.device("meta")  # tensors with a shape and no data: where a tensor is, made visible
@@ -129,12 +129,8 @@ def sweep():
 @pytest.fixture
 def no_tf32():
     """Full fp32 matmuls while GPU results are compared with CPU ones (TF32 would round)."""
-    # allow_tf32 works on torch 2.11 and 2.13 (CPU builds too); later ones also have fp32_precision.
-    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+    with full_fp32():
+        yield
 
 
 # --------------------------------------------------------------------------------------------
@@ -938,13 +934,7 @@ def script_runs():
         launched.stop()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def start_the_scripts_early(request):
-    """When the script checks are selected, start the scripts with this module's first test,
-    so that they import torch while the other checks run."""
-    if any(item.get_closest_marker("slow") and getattr(item, "module", None) is request.module
-           for item in request.session.items):
-        request.getfixturevalue("script_runs")
+start_launches_first = start_first("script_runs")  # while the other checks run
 
 
 def script_output(script_runs, name: str) -> tuple[str, dict]:

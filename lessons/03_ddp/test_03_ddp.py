@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from harness.compare import assert_close, assert_parameters_close
+from harness.compare import assert_close, assert_parameters_close, full_fp32
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
 from harness.launch import run_script, start_script
@@ -138,12 +138,6 @@ def make_data(samples: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(samples, 6, generator=generator), torch.randn(samples, 3,
                                                                       generator=generator)
-
-
-def no_tf32() -> None:
-    # CUDA results are compared with a CPU run: full fp32 matmuls on both sides.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 def single_process_gradients(inputs, targets) -> dict[str, torch.Tensor]:
@@ -584,13 +578,13 @@ def test_init_from_env_rejects_bad_environments(init_checks):
 
 
 def hand_averaged_gradients(ctx, inputs, targets):
-    no_tf32()
-    model = make_model().to(ctx.device)
-    x, y = my_share(ctx, inputs, targets)
-    nn.functional.mse_loss(model(x), y).backward()
-    local = {name: p.grad.clone() for name, p in model.named_parameters()}
-    load_exercise(LESSON).average_gradients(model)
-    return {"averaged": {name: p.grad for name, p in model.named_parameters()}, "local": local}
+    with full_fp32():  # compared with a CPU run: no TF32
+        model = make_model().to(ctx.device)
+        x, y = my_share(ctx, inputs, targets)
+        nn.functional.mse_loss(model(x), y).backward()
+        local = {name: p.grad.clone() for name, p in model.named_parameters()}
+        load_exercise(LESSON).average_gradients(model)
+        return {"averaged": {name: p.grad for name, p in model.named_parameters()}, "local": local}
 
 
 def averaging_diagnosis(got: dict, local: dict) -> str:
@@ -605,13 +599,13 @@ def averaging_diagnosis(got: dict, local: dict) -> str:
 
 
 def ddp_gradients(ctx, inputs, targets):
-    no_tf32()
-    model = make_model(seed=ctx.rank)  # different on purpose: DDP broadcasts rank 0's weights
-    model = DDP(model.to(ctx.device),
-                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    x, y = my_share(ctx, inputs, targets)
-    nn.functional.mse_loss(model(x), y).backward()
-    return {name: p.grad for name, p in model.module.named_parameters()}
+    with full_fp32():  # compared with a CPU run: no TF32
+        model = make_model(seed=ctx.rank)  # different on purpose: DDP broadcasts rank 0's weights
+        model = DDP(model.to(ctx.device),
+                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        x, y = my_share(ctx, inputs, targets)
+        nn.functional.mse_loss(model(x), y).backward()
+        return {name: p.grad for name, p in model.module.named_parameters()}
 
 
 @pytest.mark.task3_3
@@ -679,28 +673,28 @@ EPOCHS, SAMPLES, PER_RANK_BATCH, LR = 2, 36, 3, 0.1
 
 def train_epochs(ctx, use_exercise: bool):
     """Train EPOCHS epochs of DDP on this rank's DistributedSampler shard."""
-    no_tf32()
-    inputs, targets = make_data(SAMPLES)
-    dataset = TensorDataset(inputs, targets)
-    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
-    loader = DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler)
-    model = DDP(make_model().to(ctx.device),
-                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, sampler_epochs = [], []
-    for epoch in range(EPOCHS):
-        if use_exercise:
-            losses.append(load_exercise(LESSON).train_one_epoch(
-                model, loader, optimizer, nn.functional.mse_loss, epoch))
-            sampler_epochs.append(sampler.epoch)
-            continue
-        sampler.set_epoch(epoch)  # the lesson's claim, with the plain loop
-        for x, y in loader:
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x.to(ctx.device)), y.to(ctx.device)).backward()
-            optimizer.step()
-    return {"parameters": dict(model.module.named_parameters()), "losses": losses,
-            "sampler_epochs": sampler_epochs}
+    with full_fp32():  # compared with a CPU run: no TF32
+        inputs, targets = make_data(SAMPLES)
+        dataset = TensorDataset(inputs, targets)
+        sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
+        loader = DataLoader(dataset, batch_size=PER_RANK_BATCH, sampler=sampler)
+        model = DDP(make_model().to(ctx.device),
+                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        losses, sampler_epochs = [], []
+        for epoch in range(EPOCHS):
+            if use_exercise:
+                losses.append(load_exercise(LESSON).train_one_epoch(
+                    model, loader, optimizer, nn.functional.mse_loss, epoch))
+                sampler_epochs.append(sampler.epoch)
+                continue
+            sampler.set_epoch(epoch)  # the lesson's claim, with the plain loop
+            for x, y in loader:
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x.to(ctx.device)), y.to(ctx.device)).backward()
+                optimizer.step()
+        return {"parameters": dict(model.module.named_parameters()), "losses": losses,
+                "sampler_epochs": sampler_epochs}
 
 
 def one_process_on_global_batches(world: int):
@@ -766,48 +760,48 @@ def test_train_one_epoch_equals_one_process_on_global_batches(group):
 def frozen_epoch(ctx, samples: int, batch_size: int):
     """One epoch of train_one_epoch with lr=0 (the model stays as it is), recording the order
     of the arguments loss_fn receives."""
-    no_tf32()
-    inputs, targets = make_data(samples)
-    dataset = TensorDataset(inputs, targets)
-    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    model = DDP(make_model().to(ctx.device),
-                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    swapped = []
+    with full_fp32():  # compared with a CPU run: no TF32
+        inputs, targets = make_data(samples)
+        dataset = TensorDataset(inputs, targets)
+        sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+        model = DDP(make_model().to(ctx.device),
+                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        swapped = []
 
-    def loss_fn(outputs, batch_targets):
-        swapped.append(not outputs.requires_grad and batch_targets.requires_grad)
-        return nn.functional.mse_loss(outputs, batch_targets)
+        def loss_fn(outputs, batch_targets):
+            swapped.append(not outputs.requires_grad and batch_targets.requires_grad)
+            return nn.functional.mse_loss(outputs, batch_targets)
 
-    yielded, moved = [], []
+        yielded, moved = [], []
 
-    class RecordedLoader:
-        """The loader, noting each batch it yields."""
-        sampler = loader.sampler
+        class RecordedLoader:
+            """The loader, noting each batch it yields."""
+            sampler = loader.sampler
 
-        def __iter__(self):
-            for batch in loader:
-                yielded.extend(batch)
-                yield batch
+            def __iter__(self):
+                for batch in loader:
+                    yielded.extend(batch)
+                    yield batch
 
-        def __len__(self):
-            return len(loader)
+            def __len__(self):
+                return len(loader)
 
-    real_to = torch.Tensor.to
+        real_to = torch.Tensor.to
 
-    def recording_to(self, *args, **kwargs):
-        moved.append(self)
-        return real_to(self, *args, **kwargs)
+        def recording_to(self, *args, **kwargs):
+            moved.append(self)
+            return real_to(self, *args, **kwargs)
 
-    torch.Tensor.to = recording_to
-    try:
-        loss = load_exercise(LESSON).train_one_epoch(model, RecordedLoader(), optimizer,
-                                                     loss_fn, 0)
-    finally:
-        torch.Tensor.to = real_to
-    unmoved = sum(not any(t is m for m in moved) for t in yielded)
-    return {"loss": loss, "swapped": swapped, "unmoved": unmoved, "yielded": len(yielded)}
+        torch.Tensor.to = recording_to
+        try:
+            loss = load_exercise(LESSON).train_one_epoch(model, RecordedLoader(), optimizer,
+                                                         loss_fn, 0)
+        finally:
+            torch.Tensor.to = real_to
+        unmoved = sum(not any(t is m for m in moved) for t in yielded)
+        return {"loss": loss, "swapped": swapped, "unmoved": unmoved, "yielded": len(yielded)}
 
 
 @pytest.mark.task3_4
@@ -861,55 +855,55 @@ class RecordedWork:
 def bucketed_vs_ddp(ctx, steps: int):
     """Train ``steps`` steps with the learner's GradientBuckets next to DDP, recording in order
     the gradients backward produces, each dist.all_reduce (and its async_op), and each wait."""
-    no_tf32()
-    events: list = []
-    real_all_reduce = dist.all_reduce
-    started = [0]
+    with full_fp32():  # compared with a CPU run: no TF32
+        events: list = []
+        real_all_reduce = dist.all_reduce
+        started = [0]
 
-    def recording_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        started[0] += 1
-        number = started[0]
-        events.append(("all_reduce", number, bool(async_op)))
-        work = real_all_reduce(tensor, op=op, group=group, async_op=async_op)
-        return RecordedWork(work, number, events) if async_op else work
+        def recording_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            started[0] += 1
+            number = started[0]
+            events.append(("all_reduce", number, bool(async_op)))
+            work = real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+            return RecordedWork(work, number, events) if async_op else work
 
-    exercise = load_exercise(LESSON)
-    ours = make_model().to(ctx.device)
-    reference = DDP(copy.deepcopy(ours),
-                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    layer_numel = sum(p.numel() for p in ours[2].parameters())  # one bucket per hidden layer
-    buckets = exercise.GradientBuckets(ours, bucket_size=layer_numel)
-    for name, param in ours.named_parameters():  # after theirs: runs once their hook has run
-        param.register_post_accumulate_grad_hook(lambda p, name=name: events.append(name))
-    first_layer = {"0.weight", "0.bias"}
-    results = []
-    patched = [(dist, "all_reduce")] + [(exercise, attribute) for attribute, value
-                                        in vars(exercise).items() if value is real_all_reduce]
-    for owner, attribute in patched:
-        setattr(owner, attribute, recording_all_reduce)
-    try:
-        for step in range(steps):
-            x, y = make_data(8, seed=100 + 10 * step + ctx.rank)
-            x, y = x.to(ctx.device), y.to(ctx.device)
-            events.clear()
-            ours.zero_grad()
-            nn.functional.mse_loss(ours(x), y).backward()
-            during_backward = list(events)
-            buckets.wait()
-            reference.zero_grad()
-            nn.functional.mse_loss(reference(x), y).backward()
-            results.append({
-                "ours": {n: p.grad.clone() for n, p in ours.named_parameters()},
-                "ddp": {n: p.grad.clone() for n, p in reference.module.named_parameters()},
-                "events": during_backward,
-                "first_layer_at": min(i for i, e in enumerate(during_backward)
-                                      if e in first_layer),
-            })
-    finally:
+        exercise = load_exercise(LESSON)
+        ours = make_model().to(ctx.device)
+        reference = DDP(copy.deepcopy(ours),
+                        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        layer_numel = sum(p.numel() for p in ours[2].parameters())  # one bucket per hidden layer
+        buckets = exercise.GradientBuckets(ours, bucket_size=layer_numel)
+        for name, param in ours.named_parameters():  # after theirs: runs once their hook has run
+            param.register_post_accumulate_grad_hook(lambda p, name=name: events.append(name))
+        first_layer = {"0.weight", "0.bias"}
+        results = []
+        patched = [(dist, "all_reduce")] + [(exercise, attribute) for attribute, value
+                                            in vars(exercise).items() if value is real_all_reduce]
         for owner, attribute in patched:
-            setattr(owner, attribute, real_all_reduce)
-        buckets.remove()
-    return results
+            setattr(owner, attribute, recording_all_reduce)
+        try:
+            for step in range(steps):
+                x, y = make_data(8, seed=100 + 10 * step + ctx.rank)
+                x, y = x.to(ctx.device), y.to(ctx.device)
+                events.clear()
+                ours.zero_grad()
+                nn.functional.mse_loss(ours(x), y).backward()
+                during_backward = list(events)
+                buckets.wait()
+                reference.zero_grad()
+                nn.functional.mse_loss(reference(x), y).backward()
+                results.append({
+                    "ours": {n: p.grad.clone() for n, p in ours.named_parameters()},
+                    "ddp": {n: p.grad.clone() for n, p in reference.module.named_parameters()},
+                    "events": during_backward,
+                    "first_layer_at": min(i for i, e in enumerate(during_backward)
+                                          if e in first_layer),
+                })
+        finally:
+            for owner, attribute in patched:
+                setattr(owner, attribute, real_all_reduce)
+            buckets.remove()
+        return results
 
 
 def overlap_problem(result: dict) -> str:

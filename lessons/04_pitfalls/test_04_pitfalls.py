@@ -30,7 +30,7 @@ from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_exercise, load_lesson_module
 from harness.hardware import needs_gpus
-from harness.launch import run_script, start_script
+from harness.launch import run_script, start_first, start_script
 from harness.ranks import RankError, group_params, run_on_ranks
 
 LESSON = "04_pitfalls"
@@ -1116,13 +1116,7 @@ def test_progress_printed_by_rank_0_only(fix):
 NOTEBOOK_LAB = f"lessons/{LESSON}/labs/14_notebooks.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def start_launches_first(request):
-    """Start the launches before the module's first test when any selected test needs them:
-    their seconds of importing torch then overlap the pooled checks' waits on timeouts."""
-    if any("launches" in item.fixturenames for item in request.session.items
-           if item.module is request.module):
-        request.getfixturevalue("launches")
+start_launches_first = start_first("launches")  # while the other checks run
 
 
 @pytest.fixture(scope="module")

@@ -32,10 +32,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.collectives import CollectiveLog
-from harness.compare import assert_close, assert_parameters_close
+from harness.compare import assert_close, assert_parameters_close, full_fp32
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import one_process_fit, run_script, start_script
+from harness.launch import one_process_fit, run_script, start_first, start_script
 from harness.memory import held_bytes
 from harness.ranks import group_params, run_on_ranks
 from harness.sweep import st, sweep
@@ -282,12 +282,6 @@ def one_process(model: str, steps: int) -> list[dict[str, torch.Tensor]]:
         optimizer.step()
         trajectory.append({name: p.detach().clone() for name, p in net.named_parameters()})
     return trajectory
-
-
-def no_tf32() -> None:
-    # CUDA results are compared with each other and with CPU runs: full fp32 matmuls.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 def ddp_of(model: nn.Module, ctx) -> DDP:
@@ -616,57 +610,57 @@ def train_beside_ddp(ctx, method: str, optimizer: str, steps: int, model_name: s
     rank holds after the backward of step 2 (when parameters, gradients and optimizer state all
     exist), the whole gradients it held at most while a backward ran, and the collectives of its
     first step."""
-    no_tf32()
-    ex = load_exercise(LESSON)
-    optimizer_class, settings = ((torch.optim.AdamW, ADAMW) if optimizer == "adamw"
-                                 else (torch.optim.SGD, SGD))
-    reference = ddp_of(MODELS[model_name]().to(ctx.device), ctx)
-    reference_optimizer = optimizer_class(reference.parameters(), **settings)
-    model = MODELS[model_name]().to(ctx.device)
-    if method == "fsdp":
-        model = sharded_by(ex, model)
-        sharded = optimizer_class(model.parameters(), **settings)
-    else:
-        sharded = build_hand_zero(ex, method, model, optimizer)
-    whole_grads_peak = [0]
+    with full_fp32():  # compared with a CPU run: no TF32
+        ex = load_exercise(LESSON)
+        optimizer_class, settings = ((torch.optim.AdamW, ADAMW) if optimizer == "adamw"
+                                     else (torch.optim.SGD, SGD))
+        reference = ddp_of(MODELS[model_name]().to(ctx.device), ctx)
+        reference_optimizer = optimizer_class(reference.parameters(), **settings)
+        model = MODELS[model_name]().to(ctx.device)
+        if method == "fsdp":
+            model = sharded_by(ex, model)
+            sharded = optimizer_class(model.parameters(), **settings)
+        else:
+            sharded = build_hand_zero(ex, method, model, optimizer)
+        whole_grads_peak = [0]
 
-    def whole_gradient_bytes() -> int:  # FSDP's gradients are DTensor shards, not whole
-        return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                   if p.grad is not None and not hasattr(p.grad, "to_local"))
+        def whole_gradient_bytes() -> int:  # FSDP's gradients are DTensor shards, not whole
+            return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                       if p.grad is not None and not hasattr(p.grad, "to_local"))
 
-    def note_whole_gradients(_):  # runs after the method's own hook on the same parameter
-        whole_grads_peak[0] = max(whole_grads_peak[0], whole_gradient_bytes())
+        def note_whole_gradients(_):  # runs after the method's own hook on the same parameter
+            whole_grads_peak[0] = max(whole_grads_peak[0], whole_gradient_bytes())
 
-    hooks = [p.register_post_accumulate_grad_hook(note_whole_gradients)
-             for p in model.parameters()] if method != "fsdp" else []
-    result = {"start": whole_parameters(model), "method": [], "ddp": [], "held": None,
-              "optimizer_held": None, "log": None}
-    try:
-        for step in range(steps):
-            inputs, targets = my_share(ctx, step, model_name, uneven)
-            reference_optimizer.zero_grad(set_to_none=True)
-            reference(inputs, targets)[1].backward()
-            reference_optimizer.step()
-            with CollectiveLog(ex) as log:
-                sharded.zero_grad(set_to_none=True)
-                model(inputs, targets)[1].backward()
-                if step == 1:
-                    result["held"] = held_bytes(model, sharded)
-                    result["optimizer_held"] = held_bytes(sharded, exclude=[model])
-                    result["whole_grads_after_backward"] = whole_gradient_bytes()
-                sharded.step()
-            if step == 0:
-                result["log"] = {"summary": log.summary(), "calls": [
-                    (c.op, c.payload) for c in log.calls]}
-            result["method"].append(whole_parameters(model))
-            result["ddp"].append(whole_parameters(reference.module))
-    finally:
-        for hook in hooks:
-            hook.remove()
-        if hasattr(sharded, "remove"):
-            sharded.remove()
-    result["whole_grads_peak"] = whole_grads_peak[0]
-    return result
+        hooks = [p.register_post_accumulate_grad_hook(note_whole_gradients)
+                 for p in model.parameters()] if method != "fsdp" else []
+        result = {"start": whole_parameters(model), "method": [], "ddp": [], "held": None,
+                  "optimizer_held": None, "log": None}
+        try:
+            for step in range(steps):
+                inputs, targets = my_share(ctx, step, model_name, uneven)
+                reference_optimizer.zero_grad(set_to_none=True)
+                reference(inputs, targets)[1].backward()
+                reference_optimizer.step()
+                with CollectiveLog(ex) as log:
+                    sharded.zero_grad(set_to_none=True)
+                    model(inputs, targets)[1].backward()
+                    if step == 1:
+                        result["held"] = held_bytes(model, sharded)
+                        result["optimizer_held"] = held_bytes(sharded, exclude=[model])
+                        result["whole_grads_after_backward"] = whole_gradient_bytes()
+                    sharded.step()
+                if step == 0:
+                    result["log"] = {"summary": log.summary(), "calls": [
+                        (c.op, c.payload) for c in log.calls]}
+                result["method"].append(whole_parameters(model))
+                result["ddp"].append(whole_parameters(reference.module))
+        finally:
+            for hook in hooks:
+                hook.remove()
+            if hasattr(sharded, "remove"):
+                sharded.remove()
+        result["whole_grads_peak"] = whole_grads_peak[0]
+        return result
 
 
 def piece_diagnosis(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, world: int,
@@ -1072,43 +1066,43 @@ def accumulate_beside_ddp(ctx, method: str, micro_batches: int, steps: int = 2,
     ``set_requires_gradient_sync(False)``, the hand ZeRO optimizers reduce as they were built
     to. ``discard_first``: before each step's micro-batches, one backward of another batch
     thrown away with ``zero_grad()``, which must forget it. Returns both trajectories."""
-    no_tf32()
-    ex = load_exercise(LESSON)
-    reference = ddp_of(make_gpt().to(ctx.device), ctx)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    model = make_gpt().to(ctx.device)
-    if method == "fsdp":
-        model = sharded_by(ex, model)
-        sharded = torch.optim.AdamW(model.parameters(), **ADAMW)
-    else:
-        sharded = build_hand_zero(ex, method, model, "adamw")
-    result = {"start": whole_parameters(model), "method": [], "ddp": []}
-    try:
-        for step in range(steps):
-            inputs, targets = my_share(ctx, step)
-            reference_optimizer.zero_grad(set_to_none=True)
-            sharded.zero_grad(set_to_none=True)
-            if discard_first:
-                thrown_inputs, thrown_targets = my_share(ctx, 50 + step)
-                model(thrown_inputs, thrown_targets)[1].backward()
+    with full_fp32():  # compared with a CPU run: no TF32
+        ex = load_exercise(LESSON)
+        reference = ddp_of(make_gpt().to(ctx.device), ctx)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        model = make_gpt().to(ctx.device)
+        if method == "fsdp":
+            model = sharded_by(ex, model)
+            sharded = torch.optim.AdamW(model.parameters(), **ADAMW)
+        else:
+            sharded = build_hand_zero(ex, method, model, "adamw")
+        result = {"start": whole_parameters(model), "method": [], "ddp": []}
+        try:
+            for step in range(steps):
+                inputs, targets = my_share(ctx, step)
+                reference_optimizer.zero_grad(set_to_none=True)
                 sharded.zero_grad(set_to_none=True)
-            parts = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches),
-                             strict=True))
-            for index, (x, y) in enumerate(parts):
-                last = index == len(parts) - 1
-                with reference.no_sync() if not last else contextlib.nullcontext():
-                    (reference(x, y)[1] / len(parts)).backward()
-                if method == "fsdp":
-                    model.set_requires_gradient_sync(last)
-                (model(x, y)[1] / len(parts)).backward()
-            reference_optimizer.step()
-            sharded.step()
-            result["method"].append(whole_parameters(model))
-            result["ddp"].append(whole_parameters(reference.module))
-    finally:
-        if hasattr(sharded, "remove"):
-            sharded.remove()
-    return result
+                if discard_first:
+                    thrown_inputs, thrown_targets = my_share(ctx, 50 + step)
+                    model(thrown_inputs, thrown_targets)[1].backward()
+                    sharded.zero_grad(set_to_none=True)
+                parts = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches),
+                                 strict=True))
+                for index, (x, y) in enumerate(parts):
+                    last = index == len(parts) - 1
+                    with reference.no_sync() if not last else contextlib.nullcontext():
+                        (reference(x, y)[1] / len(parts)).backward()
+                    if method == "fsdp":
+                        model.set_requires_gradient_sync(last)
+                    (model(x, y)[1] / len(parts)).backward()
+                reference_optimizer.step()
+                sharded.step()
+                result["method"].append(whole_parameters(model))
+                result["ddp"].append(whole_parameters(reference.module))
+        finally:
+            if hasattr(sharded, "remove"):
+                sharded.remove()
+        return result
 
 
 ACCUMULATION_HINTS = {
@@ -1469,59 +1463,59 @@ def gathered_and_still_held(log: CollectiveLog, settle: float = 1.0) -> list:
 
 def zero3_beside_ddp(ctx, steps: int, model_name: str = "gpt"):
     """Zero3Blocks over a test model's blocks next to DDP over a copy of them."""
-    no_tf32()
-    ex = load_exercise(LESSON)
-    blocks = MODELS[model_name]().blocks.to(ctx.device)
-    reference = ddp_of(nn.Sequential(*copy.deepcopy(blocks)), ctx)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    names = [name for name, _ in blocks.named_parameters()]
-    zero3 = ex.Zero3Blocks(blocks)
-    optimizer = torch.optim.AdamW(zero3.parameters(), **ADAMW)
-    generator = torch.Generator().manual_seed(5)
-    per_rank = GLOBAL_BATCH // ctx.world_size
-    out = {"pieces": [], "ddp": [], "first_grads": None, "ddp_first_grads": None}
-    for step in range(steps):
-        shape = (5,) if model_name == "stack" else (CONFIG["block_size"], CONFIG["n_embd"])
-        x = torch.randn(GLOBAL_BATCH, *shape,
-                        generator=generator)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
-        x = x.to(ctx.device)
-        reference_optimizer.zero_grad()
-        reference(x).square().mean().backward()
-        optimizer.zero_grad()
-        with CollectiveLog(ex) as log:
-            saved: dict[int, int] = {}  # what autograd keeps for backward: storage -> bytes
+    with full_fp32():  # compared with a CPU run: no TF32
+        ex = load_exercise(LESSON)
+        blocks = MODELS[model_name]().blocks.to(ctx.device)
+        reference = ddp_of(nn.Sequential(*copy.deepcopy(blocks)), ctx)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        names = [name for name, _ in blocks.named_parameters()]
+        zero3 = ex.Zero3Blocks(blocks)
+        optimizer = torch.optim.AdamW(zero3.parameters(), **ADAMW)
+        generator = torch.Generator().manual_seed(5)
+        per_rank = GLOBAL_BATCH // ctx.world_size
+        out = {"pieces": [], "ddp": [], "first_grads": None, "ddp_first_grads": None}
+        for step in range(steps):
+            shape = (5,) if model_name == "stack" else (CONFIG["block_size"], CONFIG["n_embd"])
+            x = torch.randn(GLOBAL_BATCH, *shape,
+                            generator=generator)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+            x = x.to(ctx.device)
+            reference_optimizer.zero_grad()
+            reference(x).square().mean().backward()
+            optimizer.zero_grad()
+            with CollectiveLog(ex) as log:
+                saved: dict[int, int] = {}  # what autograd keeps for backward: storage -> bytes
 
-            def note(tensor, saved=saved):
-                saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-                return tensor
+                def note(tensor, saved=saved):
+                    saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+                    return tensor
 
-            # The outermost hooks: they see what is saved outside any checkpointed region.
-            with torch.autograd.graph.saved_tensors_hooks(note, lambda tensor: tensor):
-                y = zero3(x)
+                # The outermost hooks: they see what is saved outside any checkpointed region.
+                with torch.autograd.graph.saved_tensors_hooks(note, lambda tensor: tensor):
+                    y = zero3(x)
+                if step == 0:
+                    alive = gathered_and_still_held(log)
+                    after_forward = {"gathers": log.count("all_gather"), "alive": len(alive),
+                                     "alive_bytes": sum(call.payload for call in alive),
+                                     "saved_bytes": sum(saved.values())}
+                y.square().mean().backward()
+                if step == 1:
+                    out["held"] = held_bytes(zero3, optimizer)
             if step == 0:
-                alive = gathered_and_still_held(log)
-                after_forward = {"gathers": log.count("all_gather"), "alive": len(alive),
-                                 "alive_bytes": sum(call.payload for call in alive),
-                                 "saved_bytes": sum(saved.values())}
-            y.square().mean().backward()
-            if step == 1:
-                out["held"] = held_bytes(zero3, optimizer)
-        if step == 0:
-            out["after_forward"] = after_forward
-            out["log"] = {"summary": log.summary(), "calls": [(c.op, c.payload)
-                                                             for c in log.calls]}
-            out["first_grads"] = [p.grad for p in zero3.shards]
-            out["ddp_first_grads"] = dict(zip(names, (p.grad for p in reference.parameters()),
-                                              strict=True))
-        optimizer.step()
-        reference_optimizer.step()
-        out["pieces"].append([p.detach().clone() for p in zero3.shards])
-        out["ddp"].append(dict(zip(names, (p.detach().clone() for p in reference.parameters()),
-                                   strict=True)))
-    out["names"] = names
-    out["shard_count"] = len(zero3.shards)
-    out["meta_blocks"] = all(p.device.type == "meta" for p in zero3.blocks.parameters())
-    return out
+                out["after_forward"] = after_forward
+                out["log"] = {"summary": log.summary(), "calls": [(c.op, c.payload)
+                                                                 for c in log.calls]}
+                out["first_grads"] = [p.grad for p in zero3.shards]
+                out["ddp_first_grads"] = dict(zip(names, (p.grad for p in reference.parameters()),
+                                                  strict=True))
+            optimizer.step()
+            reference_optimizer.step()
+            out["pieces"].append([p.detach().clone() for p in zero3.shards])
+            out["ddp"].append(dict(zip(names, (p.detach().clone() for p in reference.parameters()),
+                                       strict=True)))
+        out["names"] = names
+        out["shard_count"] = len(zero3.shards)
+        out["meta_blocks"] = all(p.device.type == "meta" for p in zero3.blocks.parameters())
+        return out
 
 
 def whole_from_pieces(pieces: list[torch.Tensor], numel: int, shape) -> torch.Tensor:
@@ -1896,12 +1890,7 @@ TRAIN_ONE_EPOCH = ("--epochs", "1", "--train-windows", "320")
 SAME_STEPS = {"rtol": 1e-3, "atol": 2e-4}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def start_the_launches_first(request):
-    """Start the script launches with the module's first test, not its last: most of a launch
-    is importing torch, which overlaps with the rank checks (when a selected test needs them)."""
-    if any("script_runs" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("script_runs")
+start_launches_first = start_first("script_runs")  # while the other checks run
 
 
 @pytest.fixture(scope="module")

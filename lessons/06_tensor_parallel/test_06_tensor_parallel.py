@@ -32,10 +32,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from harness.collectives import CollectiveLog, DispatchedAllReduces
-from harness.compare import assert_close, assert_parameters_close
+from harness.compare import assert_close, assert_parameters_close, full_fp32
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import gpu_marks
-from harness.launch import one_process_fit, run_script, start_script
+from harness.launch import one_process_fit, run_script, start_first, start_script
 from harness.ranks import group_params, run_on_ranks
 
 LESSON = "06_tensor_parallel"
@@ -187,12 +187,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"] + 1),
                            generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def no_tf32() -> None:
-    # CUDA results are compared with CPU ones: full fp32 matmuls.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 @functools.cache
@@ -518,32 +512,32 @@ def split_layer_run(ctx, kind: str):
     of a 12 -> 6 layer, forward and backward on this rank; its slices gathered afterwards."""
     ex = load_exercise(LESSON)
     device, rank, world = ctx.device, ctx.rank, ctx.world_size
-    no_tf32()
-    x = rank_weights(-2, (3, IN if kind == "column" else HIDDEN)).to(device)
-    if kind == "column":
-        layer = ex.ColumnParallelLinear(whole_layer(IN, HIDDEN, 0).to(device))
-        mine = x.clone().requires_grad_(True)
-    else:
-        layer = ex.RowParallelLinear(whole_layer(HIDDEN, OUT, 1).to(device))
-        mine = x.chunk(world, 1)[rank].clone().requires_grad_(True)
-    c = rank_weights(-3, (3, HIDDEN if kind == "column" else OUT)).to(device)
-    if kind == "column":
-        c = c.chunk(world, 1)[rank]
-    kept = {name: p.detach().clone() for name, p in layer.named_parameters()}
-    storage = {name: (p.untyped_storage().nbytes(), p.numel() * p.element_size())
-               for name, p in layer.named_parameters()}
-    with CollectiveLog(ex) as forward:
-        try:
-            out = layer(mine)
-        except RuntimeError as error:  # a slice of the wrong shape: the parent explains it
-            return {"kept": kept, "storage": storage, "error": str(error).splitlines()[0][:200]}
-    with CollectiveLog(ex) as backward:
-        (out * c).sum().backward()
-    grads = {name: p.grad for name, p in layer.named_parameters()}
-    return {"kept": kept, "storage": storage, "out": out.detach(), "x_grad": mine.grad,
-            "grads": grads,
-            "forward": [call.op for call in forward.calls],
-            "backward": [call.op for call in backward.calls]}
+    with full_fp32():  # compared with a CPU run: no TF32
+        x = rank_weights(-2, (3, IN if kind == "column" else HIDDEN)).to(device)
+        if kind == "column":
+            layer = ex.ColumnParallelLinear(whole_layer(IN, HIDDEN, 0).to(device))
+            mine = x.clone().requires_grad_(True)
+        else:
+            layer = ex.RowParallelLinear(whole_layer(HIDDEN, OUT, 1).to(device))
+            mine = x.chunk(world, 1)[rank].clone().requires_grad_(True)
+        c = rank_weights(-3, (3, HIDDEN if kind == "column" else OUT)).to(device)
+        if kind == "column":
+            c = c.chunk(world, 1)[rank]
+        kept = {name: p.detach().clone() for name, p in layer.named_parameters()}
+        storage = {name: (p.untyped_storage().nbytes(), p.numel() * p.element_size())
+                   for name, p in layer.named_parameters()}
+        with CollectiveLog(ex) as forward:
+            try:
+                out = layer(mine)
+            except RuntimeError as error:  # a slice of the wrong shape: the parent explains it
+                return {"kept": kept, "storage": storage, "error": str(error).splitlines()[0][:200]}
+        with CollectiveLog(ex) as backward:
+            (out * c).sum().backward()
+        grads = {name: p.grad for name, p in layer.named_parameters()}
+        return {"kept": kept, "storage": storage, "out": out.detach(), "x_grad": mine.grad,
+                "grads": grads,
+                "forward": [call.op for call in forward.calls],
+                "backward": [call.op for call in backward.calls]}
 
 
 def assert_copies(storage: dict, rank: int, what: str) -> None:
@@ -777,16 +771,16 @@ def block_parameters(world: int) -> int:
 def layer_input_grad_run(ctx, layer: str):
     """The input gradient of one split block part (attention or MLP) alone, on this rank."""
     ex = load_exercise(LESSON)
-    no_tf32()
-    block = make_gpt().blocks[0].to(ctx.device)
-    part = (ex.TensorParallelAttention(block.attn) if layer == "attn"
-            else ex.TensorParallelMLP(block.mlp))
-    x = rank_weights(-4, (BATCH, CONFIG["block_size"], CONFIG["n_embd"])).to(ctx.device)
-    x.requires_grad_(True)
-    c = rank_weights(-5, x.shape).to(ctx.device)
-    out = part(x)
-    (out * c).sum().backward()
-    return {"out": out.detach(), "grad": x.grad}
+    with full_fp32():  # compared with a CPU run: no TF32
+        block = make_gpt().blocks[0].to(ctx.device)
+        part = (ex.TensorParallelAttention(block.attn) if layer == "attn"
+                else ex.TensorParallelMLP(block.mlp))
+        x = rank_weights(-4, (BATCH, CONFIG["block_size"], CONFIG["n_embd"])).to(ctx.device)
+        x.requires_grad_(True)
+        c = rank_weights(-5, x.shape).to(ctx.device)
+        out = part(x)
+        (out * c).sum().backward()
+        return {"out": out.detach(), "grad": x.grad}
 
 
 @pytest.mark.task6_3
@@ -829,25 +823,26 @@ def hand_tp_run(ctx, steps: int):
     """The running example split by tensor_parallel_blocks, trained with SGD on the whole
     batch; every rank's parameters after each step, and the collectives of the first step."""
     ex = load_exercise(LESSON)
-    no_tf32()
-    model = ex.tensor_parallel_blocks(make_gpt().to(ctx.device))
-    optimizer = torch.optim.SGD(model.parameters(), **SGD)
-    out = {"states": [], "block_parameters": sum(p.numel() for p in model.blocks[0].parameters()),
-           "storage": {name: (p.untyped_storage().nbytes(), p.numel() * p.element_size())
-                       for name, p in model.blocks[0].named_parameters()}}
-    for step in range(steps):
-        inputs, targets = (t.to(ctx.device) for t in batch(step))
-        optimizer.zero_grad(set_to_none=True)
-        with CollectiveLog(ex) as forward:
-            loss = forward_or_explain(model, inputs, targets, "tensor_parallel_blocks")
-        with CollectiveLog(ex) as backward:
-            loss.backward()
-        optimizer.step()
-        if step == 0:
-            out["forward"] = [(c.op, c.payload) for c in forward.calls]
-            out["backward"] = [(c.op, c.payload) for c in backward.calls]
-        out["states"].append({name: local(p) for name, p in model.named_parameters()})
-    return out
+    with full_fp32():  # compared with a CPU run: no TF32
+        model = ex.tensor_parallel_blocks(make_gpt().to(ctx.device))
+        optimizer = torch.optim.SGD(model.parameters(), **SGD)
+        block = model.blocks[0]
+        out = {"states": [], "block_parameters": sum(p.numel() for p in block.parameters()),
+               "storage": {name: (p.untyped_storage().nbytes(), p.numel() * p.element_size())
+                           for name, p in block.named_parameters()}}
+        for step in range(steps):
+            inputs, targets = (t.to(ctx.device) for t in batch(step))
+            optimizer.zero_grad(set_to_none=True)
+            with CollectiveLog(ex) as forward:
+                loss = forward_or_explain(model, inputs, targets, "tensor_parallel_blocks")
+            with CollectiveLog(ex) as backward:
+                loss.backward()
+            optimizer.step()
+            if step == 0:
+                out["forward"] = [(c.op, c.payload) for c in forward.calls]
+                out["backward"] = [(c.op, c.payload) for c in backward.calls]
+            out["states"].append({name: local(p) for name, p in model.named_parameters()})
+        return out
 
 
 def assert_collectives(calls, phase: str, rank: int, hint: str) -> None:
@@ -990,27 +985,27 @@ def native_tp_run(ctx, steps: int):
     """parallelize_gpt on a 1-D mesh of every rank, trained as hand_tp_run is; the collectives
     of the first step counted by torch's CommDebugMode."""
     ex = load_exercise(LESSON)
-    no_tf32()
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    model = ex.parallelize_gpt(make_gpt().to(ctx.device), mesh)
-    optimizer = torch.optim.SGD(model.parameters(), **SGD)
-    out = {"states": [], "placements": {
-        name: tuple(p.placements) if isinstance(p, DTensor) else None
-        for name, p in model.blocks[0].named_parameters()}}
-    for step in range(steps):
-        inputs, targets = (t.to(ctx.device) for t in batch(step))
-        optimizer.zero_grad(set_to_none=True)
-        # CommDebugMode counts DTensor's collectives; DispatchedAllReduces their bytes.
-        with CommDebugMode() as forward, DispatchedAllReduces() as forward_bytes:
-            loss = forward_or_explain(model, inputs, targets, "parallelize_gpt")
-        with CommDebugMode() as backward, DispatchedAllReduces() as backward_bytes:
-            loss.backward()
-        optimizer.step()
-        if step == 0:
-            out["forward"], out["backward"] = comm_counts(forward), comm_counts(backward)
-            out["bytes"] = [n for _, n in forward_bytes.calls + backward_bytes.calls]
-        out["states"].append({name: local(p) for name, p in model.named_parameters()})
-    return out
+    with full_fp32():  # compared with a CPU run: no TF32
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        model = ex.parallelize_gpt(make_gpt().to(ctx.device), mesh)
+        optimizer = torch.optim.SGD(model.parameters(), **SGD)
+        out = {"states": [], "placements": {
+            name: tuple(p.placements) if isinstance(p, DTensor) else None
+            for name, p in model.blocks[0].named_parameters()}}
+        for step in range(steps):
+            inputs, targets = (t.to(ctx.device) for t in batch(step))
+            optimizer.zero_grad(set_to_none=True)
+            # CommDebugMode counts DTensor's collectives; DispatchedAllReduces their bytes.
+            with CommDebugMode() as forward, DispatchedAllReduces() as forward_bytes:
+                loss = forward_or_explain(model, inputs, targets, "parallelize_gpt")
+            with CommDebugMode() as backward, DispatchedAllReduces() as backward_bytes:
+                loss.backward()
+            optimizer.step()
+            if step == 0:
+                out["forward"], out["backward"] = comm_counts(forward), comm_counts(backward)
+                out["bytes"] = [n for _, n in forward_bytes.calls + backward_bytes.calls]
+            out["states"].append({name: local(p) for name, p in model.named_parameters()})
+        return out
 
 
 @pytest.mark.task6_4
@@ -1070,37 +1065,37 @@ def two_d_run(ctx, steps: int):
     same half of the batch; the two rows read different halves. Whole parameters after each
     step, and where block 0's weights live."""
     ex = load_exercise(LESSON)
-    no_tf32()
-    mesh = init_device_mesh(ctx.device.type, MESH_2D, mesh_dim_names=("dp", "tp"))
-    try:
-        model = ex.parallelize_2d(make_gpt().to(ctx.device), mesh)
-    except (NotImplementedError, AssertionError):
-        raise
-    except Exception as error:  # noqa: BLE001 - torch's words, with what to do
-        raise AssertionError(
-            f"parallelize_2d on a dp 2 x tp 2 mesh raised {type(error).__name__}: "
-            f"{str(error).splitlines()[0][:300]}. Split with tensor parallelism on mesh['tp'] "
-            f"first, then fully_shard each block and the root on mesh['dp']") from None
-    optimizer = torch.optim.SGD(model.parameters(), **SGD)
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    # The README: init_device_mesh fills rows first, so a tp group is neighbouring ranks.
-    out = {"states": [], "placements": {}, "tp_group": mesh["tp"].mesh.tolist(),
-           "dp_group": mesh["dp"].mesh.tolist(),
-           "blocks_sharded": all(isinstance(b, FSDPModule) for b in model.blocks),
-           "root_sharded": isinstance(model, FSDPModule)}
-    for name, p in model.blocks[0].named_parameters():
-        out["placements"][name] = ((p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)),
-                                    p.to_local().numel())
-                                   if isinstance(p, DTensor) else None)
-    for step in range(steps):
-        inputs, targets = (t.chunk(dp_size)[dp_rank].to(ctx.device) for t in batch(step))
-        optimizer.zero_grad(set_to_none=True)
-        forward_or_explain(model, inputs, targets, "parallelize_2d").backward()
-        optimizer.step()
-        whole = {name: p.full_tensor() if isinstance(p, DTensor) else p
-                 for name, p in model.named_parameters()}
-        out["states"].append({name: t.detach().cpu() for name, t in whole.items()})
-    return out
+    with full_fp32():  # compared with a CPU run: no TF32
+        mesh = init_device_mesh(ctx.device.type, MESH_2D, mesh_dim_names=("dp", "tp"))
+        try:
+            model = ex.parallelize_2d(make_gpt().to(ctx.device), mesh)
+        except (NotImplementedError, AssertionError):
+            raise
+        except Exception as error:  # noqa: BLE001 - torch's words, with what to do
+            raise AssertionError(
+                f"parallelize_2d on a dp 2 x tp 2 mesh raised {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:300]}. Split with tensor parallelism on mesh['tp'] "
+                f"first, then fully_shard each block and the root on mesh['dp']") from None
+        optimizer = torch.optim.SGD(model.parameters(), **SGD)
+        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        # The README: init_device_mesh fills rows first, so a tp group is neighbouring ranks.
+        out = {"states": [], "placements": {}, "tp_group": mesh["tp"].mesh.tolist(),
+               "dp_group": mesh["dp"].mesh.tolist(),
+               "blocks_sharded": all(isinstance(b, FSDPModule) for b in model.blocks),
+               "root_sharded": isinstance(model, FSDPModule)}
+        for name, p in model.blocks[0].named_parameters():
+            out["placements"][name] = ((p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)),
+                                        p.to_local().numel())
+                                       if isinstance(p, DTensor) else None)
+        for step in range(steps):
+            inputs, targets = (t.chunk(dp_size)[dp_rank].to(ctx.device) for t in batch(step))
+            optimizer.zero_grad(set_to_none=True)
+            forward_or_explain(model, inputs, targets, "parallelize_2d").backward()
+            optimizer.step()
+            whole = {name: p.full_tensor() if isinstance(p, DTensor) else p
+                     for name, p in model.named_parameters()}
+            out["states"].append({name: t.detach().cpu() for name, t in whole.items()})
+        return out
 
 
 @pytest.mark.task6_5
@@ -1201,12 +1196,7 @@ SAME_STEPS = {"rtol": 1e-3, "atol": 2e-4}
 TINY_PARAMETERS = 55_808
 
 
-@pytest.fixture(scope="module", autouse=True)
-def start_the_launches_first(request):
-    """Start the launch with the module's first test: most of a launch is importing torch,
-    which overlaps with the rank checks."""
-    if any("script_run" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("script_run")
+start_launches_first = start_first("script_run")  # while the other checks run
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from torch import nn
 from harness.compare import assert_close
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import one_process_fit, run_script, start_script
+from harness.launch import one_process_fit, run_script, start_first, start_script
 from harness.pipeline import (
     Deadlock,
     Op,
@@ -1038,10 +1038,7 @@ TRAIN = ("--epochs", "1", "--train-windows", "64")
 SAME_STEPS = {"rtol": 1e-3, "atol": 2e-4}  # another summation order, AdamW (lesson 03's bound)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def start_the_launches_first(request):
-    if any("script_run" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("script_run")
+start_launches_first = start_first("script_run")  # while the other checks run
 
 
 @pytest.fixture(scope="module")

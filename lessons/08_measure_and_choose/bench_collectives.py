@@ -122,6 +122,14 @@ def fit_alpha_beta(sizes: list[int], seconds: list[float], world_size: int) -> t
     relative errors (least squares weighted by 1 / t**2, so that the large times do not drown
     the latency the small ones measure), then alpha = a / (2 (W - 1)) and
     beta = b / (2 (W - 1) / W)."""
+    if len(sizes) != len(seconds):
+        raise ValueError(f"{len(sizes)} sizes but {len(seconds)} times: one time per size")
+    if len(set(sizes)) < 2:
+        raise ValueError(f"a line needs at least two distinct sizes; got {sorted(set(sizes))}")
+    if world_size < 2:
+        raise ValueError(f"an all-reduce on {world_size} rank moves nothing: need world_size >= 2")
+    if min(seconds) <= 0:
+        raise ValueError(f"times must be positive; got {min(seconds)}")
     n = torch.tensor(sizes, dtype=torch.float64)
     t = torch.tensor(seconds, dtype=torch.float64)
     design = torch.stack([1 / t, n / t], dim=1)

@@ -33,7 +33,7 @@ from harness.collectives import DispatchedAllReduces
 from harness.compare import assert_close
 from harness.exercises import LESSONS_DIR, load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import one_process_fit, run_script, start_script
+from harness.launch import one_process_fit, run_script, start_first, start_script
 from harness.ranks import RankError, run_on_ranks
 from harness.sweep import st, sweep
 
@@ -742,11 +742,7 @@ def launches(tmp_path_factory):
         launch.stop()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def start_the_launches_first(request):
-    """The launches run in the background while the rank-pool checks run."""
-    if any("launches" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("launches")
+start_launches_first = start_first("launches")  # while the other checks run
 
 
 @pytest.mark.slow

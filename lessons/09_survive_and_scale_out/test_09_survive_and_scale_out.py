@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from harness.compare import assert_parameters_close
 from harness.exercises import REPO_ROOT, load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.launch import free_port, path_with, start_nodes, start_script
+from harness.launch import free_port, path_with, start_first, start_nodes, start_script
 from harness.ranks import run_on_ranks
 from harness.sweep import st, sweep
 
@@ -1086,13 +1086,7 @@ def test_the_scripts_restore_generators_whatever_device_the_tensors_load_onto(tm
 RESTARTABLE = {"LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _start_the_launches_first(request):
-    """The launches cost seconds, mostly waiting: start them before the module's other tests
-    run, when a test that reads them is selected (not for ``-m task9_2``, say)."""
-    if any("launches" in item.fixturenames for item in request.session.items
-           if item.module is request.module):
-        request.getfixturevalue("launches")
+start_launches_first = start_first("launches")  # while the other checks run
 
 
 @pytest.fixture(scope="module")

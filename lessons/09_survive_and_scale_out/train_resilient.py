@@ -45,6 +45,9 @@ class ResumableSampler(DistributedSampler):
     start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
+        if not 0 <= start <= self.num_samples:
+            raise ValueError(f"start {start} is outside this rank's epoch of "
+                             f"{self.num_samples} samples")
         super().set_epoch(epoch)
         self.start = start
 

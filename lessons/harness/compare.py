@@ -6,6 +6,7 @@ test passes looser ones and says why.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -115,3 +116,18 @@ def assert_parameters_close(actual, expected, what: str = "parameter", rank: int
                     f"{_where(f'{kind} {name!r}', rank)}: is None (no backward reached it)"
                 )
         assert_close(a, e, f"{kind} {name!r}", rank, **tolerances)
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """Full fp32 matmuls and convolutions inside the block, restored after it: results computed
+    on a GPU are compared with a CPU run or with each other, and TF32 (which a GPU may use for
+    fp32 work) rounds inputs to 10 mantissa bits. ``allow_tf32`` is read and set the same way
+    on every torch the course supports, CPU builds included."""
+    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous

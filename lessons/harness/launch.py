@@ -35,6 +35,7 @@ import pytest
 import torch.distributed as dist
 
 from harness.exercises import REPO_ROOT, TASK_ID, load_lesson_module
+from harness.processes import descendants
 
 # What torchrun (and torch.distributed.launch) sets for every rank.
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -267,25 +268,6 @@ class Launch:
         self._proc.wait()
 
 
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (Linux /proc), deepest first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found: list[int] = []
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found[::-1]
-
-
 def start_script(script: str | os.PathLike, *args: str, **options) -> Launch:
     """Start ``script`` now and return at once; see :class:`Launch` and :func:`run_script`."""
     return Launch(script, *args, **options)
@@ -333,3 +315,18 @@ def _show(command: list[str]) -> str:
     shown = [names.get(part, part) for part in command]
     return " ".join(str(Path(p).relative_to(REPO_ROOT)) if p.startswith(str(REPO_ROOT)) else p
                     for p in shown)
+
+
+def start_first(fixture: str):
+    """An autouse fixture for a test module: when a selected test of the module uses
+    ``fixture`` (a module-scoped fixture that starts scripts in the background, as
+    :func:`start_script` does), it is set up before the module's first test, not the first
+    test that needs it, so the scripts' seconds of importing torch overlap the module's other
+    checks. A module writes ``start_launches_first = start_first("launches")``."""
+    @pytest.fixture(scope="module", autouse=True, name=f"start_{fixture}_first")
+    def start(request):
+        if any(fixture in item.fixturenames for item in request.session.items
+               if getattr(item, "module", None) is request.module):
+            request.getfixturevalue(fixture)
+
+    return start

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from harness import forkserver
 from harness.exercises import LESSONS_DIR, REPO_ROOT
+from harness.processes import command_line, live_processes, working_directory
 
 STUB_TASK = re.compile(r'NotImplementedError\(\s*f?["\'](task\d+_\d+):')
 RUN_TIMEOUT = 300.0  # seconds for one lesson's tests; the pytest-timeout inside is shorter
@@ -175,28 +176,13 @@ def with_wrong_answer(solution_source: str, wrong_source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def command_line(pid: int) -> str:
-    """A live process's command line (Linux); "" once it has exited (a zombie has none)."""
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
-    except OSError:
-        return ""
-
-
 def processes_under(folder: Path) -> list[str]:
     """Live processes whose working directory or command line is inside ``folder`` (Linux)."""
     folder_text, found = str(folder), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cwd = os.readlink(entry / "cwd")
-        except OSError:
-            continue
-        command = command_line(int(entry.name))
-        if not command:  # gone since
+    for pid in live_processes():
+        cwd, command = working_directory(pid), command_line(pid)
+        if pid == os.getpid() or cwd is None or not command:  # this one, or gone since
             continue
         if cwd.startswith(folder_text) or folder_text in command:
-            found.append(f"{entry.name}: {command.strip()[:120]}")
+            found.append(f"{pid}: {command.strip()[:120]}")
     return found
