@@ -48,8 +48,8 @@ class DistInfo(NamedTuple):
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-# --8<-- [start:init_from_env]
-def init_from_env(backend: str = "auto") -> DistInfo:
+# --8<-- [start:setup]
+def setup(backend: str = "auto") -> DistInfo:
     """Join the process group the launcher (``torchrun``) described in the environment.
 
     - Read RANK, LOCAL_RANK, WORLD_SIZE (and LOCAL_WORLD_SIZE, default: WORLD_SIZE) and check
@@ -71,7 +71,7 @@ def init_from_env(backend: str = "auto") -> DistInfo:
     LOCAL_RANK is 1) and checks the device, the order of the calls and the timeout.
     """
     raise NotImplementedError("task3_2: read the launcher variables, pick the device, join")
-# --8<-- [end:init_from_env]
+# --8<-- [end:setup]
 
 
 # --8<-- [start:average_gradients]

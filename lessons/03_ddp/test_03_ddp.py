@@ -48,30 +48,30 @@ CLAUSES = {
     },
     "task3_2": {
         "read RANK, LOCAL_RANK, WORLD_SIZE": [
-            "test_init_from_env_sets_the_device_before_joining_with_a_timeout"],
+            "test_setup_sets_the_device_before_joining_with_a_timeout"],
         "LOCAL_WORLD_SIZE, default: WORLD_SIZE": [
-            "test_init_from_env_local_world_size_defaults_to_world_size"],
+            "test_setup_local_world_size_defaults_to_world_size"],
         "none of the five launcher variables set: RuntimeError saying to launch with torchrun": [
-            "test_init_from_env_rejects_bad_environments"],
+            "test_setup_rejects_bad_environments"],
         "only some set: RuntimeError naming the missing ones": [
-            "test_init_from_env_rejects_bad_environments"],
+            "test_setup_rejects_bad_environments"],
         "backend auto: nccl when CUDA has at least LOCAL_WORLD_SIZE GPUs, else gloo": [
-            "test_init_from_env_sets_the_device_before_joining_with_a_timeout",
-            "test_init_from_env_auto_uses_gloo_with_fewer_gpus_than_local_ranks",
-            "test_init_from_env_auto_uses_gloo_without_a_gpu",
-            "test_init_from_env_uses_nccl_on_a_one_gpu_machine"],
+            "test_setup_sets_the_device_before_joining_with_a_timeout",
+            "test_setup_auto_uses_gloo_with_fewer_gpus_than_local_ranks",
+            "test_setup_auto_uses_gloo_without_a_gpu",
+            "test_setup_uses_nccl_on_a_one_gpu_machine"],
         "nccl with no GPU, or fewer than LOCAL_WORLD_SIZE: RuntimeError, before touching CUDA": [
-            "test_init_from_env_refuses_nccl_without_enough_gpus",
-            "test_init_from_env_rejects_bad_environments"],
+            "test_setup_refuses_nccl_without_enough_gpus",
+            "test_setup_rejects_bad_environments"],
         "with nccl, torch.cuda.set_device(local_rank) before init_process_group": [
-            "test_init_from_env_sets_the_device_before_joining_with_a_timeout"],
+            "test_setup_sets_the_device_before_joining_with_a_timeout"],
         "the device is cuda:<local_rank> with nccl, the CPU with gloo": [
-            "test_init_from_env_sets_the_device_before_joining_with_a_timeout",
-            "test_init_from_env_auto_uses_gloo_with_fewer_gpus_than_local_ranks"],
+            "test_setup_sets_the_device_before_joining_with_a_timeout",
+            "test_setup_auto_uses_gloo_with_fewer_gpus_than_local_ranks"],
         "init_process_group(backend, init_method='env://', ...)": [
-            "test_init_from_env_sets_the_device_before_joining_with_a_timeout"],
+            "test_setup_sets_the_device_before_joining_with_a_timeout"],
         "a timeout under a minute": [
-            "test_init_from_env_sets_the_device_before_joining_with_a_timeout"],
+            "test_setup_sets_the_device_before_joining_with_a_timeout"],
     },
     "task3_3": {
         "replace every gradient by its mean over all ranks, in place": [
@@ -309,7 +309,7 @@ def test_distributed_sampler_order_changes_with_epoch_and_agrees_across_ranks():
 
 
 # On a CPU-only machine torchrun never exercises the NCCL path, and on one machine RANK equals
-# LOCAL_RANK. So the test below also runs init_from_env in this process with CUDA and the
+# LOCAL_RANK. So the test below also runs setup in this process with CUDA and the
 # process group faked: process 3 of a job of 2 machines x 2 GPUs (its LOCAL_RANK is 1), and
 # records what it asks for and in which order. Nothing real is initialised. These checks
 # come before the torchrun ones: a mistake they catch is reported in a second, not after a launch.
@@ -330,9 +330,9 @@ def _device_index(device) -> int | str:
 
 def init_with_fakes(ex, monkeypatch, env: dict, gpus: int, backend: str,
                     calls: list | None = None):
-    """Call ``ex.init_from_env(backend)`` with ``gpus`` fake GPUs and a fake process group;
+    """Call ``ex.setup(backend)`` with ``gpus`` fake GPUs and a fake process group;
     return (what it returned, the calls it made in order). The calls also go into ``calls``
-    when given, so that they can be read after init_from_env raised."""
+    when given, so that they can be read after setup raised."""
     calls = [] if calls is None else calls
     state = {"initialized": False, "device": 0, "backend": None}
 
@@ -370,15 +370,15 @@ def init_with_fakes(ex, monkeypatch, env: dict, gpus: int, backend: str,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     try:
-        return ex.init_from_env(backend), calls
+        return ex.setup(backend), calls
     finally:
         monkeypatch.undo()
 
 
 @pytest.mark.task3_2
 @pytest.mark.parametrize("backend", ["nccl", "auto"])
-def test_init_from_env_sets_the_device_before_joining_with_a_timeout(ex, monkeypatch, backend):
-    where = (f"init_from_env({backend!r}) as process RANK=3, LOCAL_RANK=1 of 2 machines x 2 GPUs "
+def test_setup_sets_the_device_before_joining_with_a_timeout(ex, monkeypatch, backend):
+    where = (f"setup({backend!r}) as process RANK=3, LOCAL_RANK=1 of 2 machines x 2 GPUs "
              f"(CUDA faked)")
     try:
         info, calls = init_with_fakes(ex, monkeypatch, SECOND_MACHINE, 2, backend)
@@ -424,8 +424,8 @@ def test_init_from_env_sets_the_device_before_joining_with_a_timeout(ex, monkeyp
 
 
 @pytest.mark.task3_2
-def test_init_from_env_auto_uses_gloo_with_fewer_gpus_than_local_ranks(ex, monkeypatch):
-    where = "init_from_env('auto') with 2 processes on this machine and 1 GPU (CUDA faked)"
+def test_setup_auto_uses_gloo_with_fewer_gpus_than_local_ranks(ex, monkeypatch):
+    where = "setup('auto') with 2 processes on this machine and 1 GPU (CUDA faked)"
     try:
         info, calls = init_with_fakes(ex, monkeypatch, SECOND_MACHINE, 1, "auto")
     except NotImplementedError:
@@ -454,10 +454,10 @@ def init_failure(ex, monkeypatch, env, gpus, backend, where):
 
 
 @pytest.mark.task3_2
-def test_init_from_env_auto_uses_gloo_without_a_gpu(ex, monkeypatch):
+def test_setup_auto_uses_gloo_without_a_gpu(ex, monkeypatch):
     env = {**SECOND_MACHINE, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1"}
-    where = "init_from_env('auto') as the only process on a machine without a GPU (CUDA faked)"
+    where = "setup('auto') as the only process on a machine without a GPU (CUDA faked)"
     info, calls = init_failure(ex, monkeypatch, env, 0, "auto", where)
     assert (info.backend, info.device) == ("gloo", torch.device("cpu")), (
         f"{where} returned backend {info.backend!r} on {info.device}: with no GPU, 'auto' is "
@@ -468,10 +468,10 @@ def test_init_from_env_auto_uses_gloo_without_a_gpu(ex, monkeypatch):
 
 @pytest.mark.task3_2
 @pytest.mark.parametrize("backend", ["nccl", "auto"])
-def test_init_from_env_uses_nccl_on_a_one_gpu_machine(ex, monkeypatch, backend):
+def test_setup_uses_nccl_on_a_one_gpu_machine(ex, monkeypatch, backend):
     env = {**SECOND_MACHINE, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1"}
-    where = f"init_from_env({backend!r}) as the only process on a machine with 1 GPU (CUDA faked)"
+    where = f"setup({backend!r}) as the only process on a machine with 1 GPU (CUDA faked)"
     info, calls = init_failure(ex, monkeypatch, env, 1, backend, where)
     assert (info.backend, info.device) == ("nccl", torch.device("cuda", 0)), (
         f"{where} returned backend {info.backend!r} on {info.device}: one GPU is enough for one "
@@ -481,9 +481,9 @@ def test_init_from_env_uses_nccl_on_a_one_gpu_machine(ex, monkeypatch, backend):
 
 
 @pytest.mark.task3_2
-def test_init_from_env_local_world_size_defaults_to_world_size(ex, monkeypatch):
+def test_setup_local_world_size_defaults_to_world_size(ex, monkeypatch):
     env = {name: value for name, value in SECOND_MACHINE.items() if name != "LOCAL_WORLD_SIZE"}
-    where = ("init_from_env('auto') as RANK=3 of WORLD_SIZE=4 with LOCAL_WORLD_SIZE unset and 2 "
+    where = ("setup('auto') as RANK=3 of WORLD_SIZE=4 with LOCAL_WORLD_SIZE unset and 2 "
              "GPUs (CUDA faked)")
     info, calls = init_failure(ex, monkeypatch, env, 2, "auto", where)
     assert info.local_world_size == 4, (
@@ -496,8 +496,8 @@ def test_init_from_env_local_world_size_defaults_to_world_size(ex, monkeypatch):
 
 @pytest.mark.task3_2
 @pytest.mark.parametrize("gpus", [0, 1], ids=["no GPU", "1 GPU for 2 local ranks"])
-def test_init_from_env_refuses_nccl_without_enough_gpus(ex, monkeypatch, gpus):
-    where = (f"init_from_env('nccl') with 2 processes on this machine and {gpus} GPU(s) "
+def test_setup_refuses_nccl_without_enough_gpus(ex, monkeypatch, gpus):
+    where = (f"setup('nccl') with 2 processes on this machine and {gpus} GPU(s) "
              f"(CUDA faked)")
     calls = []
     try:
@@ -521,20 +521,20 @@ def test_init_from_env_refuses_nccl_without_enough_gpus(ex, monkeypatch, gpus):
         f"torch.cuda.set_device itself fails, with a less helpful error)")
 
 
-CHECK_INIT = "lessons/harness/check_init_from_env.py"  # runs init_from_env under torchrun
+CHECK_INIT = "lessons/harness/check_setup.py"  # runs setup under torchrun
 
 
 @pytest.fixture(scope="module")
 def init_checks():
     """Both launches of the init check, started together (not at all for the untouched stub)."""
-    raise_if_untouched(load_exercise(LESSON).init_from_env)
+    raise_if_untouched(load_exercise(LESSON).setup)
     return {"torchrun": start_script(CHECK_INIT, launcher="torchrun", nproc=2),
             "bad environments": start_script(CHECK_INIT, "--bad-environments", timeout=60)}
 
 
 @pytest.mark.slow
 @pytest.mark.task3_2
-def test_init_from_env_under_torchrun(init_checks):
+def test_setup_under_torchrun(init_checks):
     run = init_checks["torchrun"].result()
     gpus = torch.cuda.device_count()
     backend = "nccl" if gpus >= 2 else "gloo"
@@ -552,7 +552,7 @@ def test_init_from_env_under_torchrun(init_checks):
 
 @pytest.mark.slow
 @pytest.mark.task3_2
-def test_init_from_env_rejects_bad_environments(init_checks):
+def test_setup_rejects_bad_environments(init_checks):
     run = init_checks["bad environments"].result()
     expectations = {
         "no launcher": ["torchrun"],

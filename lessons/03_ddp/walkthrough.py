@@ -102,5 +102,5 @@ assert run.returncode == 0, run.stderr
 # Only rank 0 prints; its train loss is the mean over both ranks' windows (an all-reduce).
 # `python lessons/03_ddp/train_ddp.py --epochs 1 --batch-size 16`, one process with the
 # same global batch, prints the same losses: that equality is what the lesson's tests check.
-# Next, in the lesson text: how to write `init_from_env`, `average_gradients` and the rest
+# Next, in the lesson text: how to write `setup`, `average_gradients` and the rest
 # yourself, and the tests that grade them.

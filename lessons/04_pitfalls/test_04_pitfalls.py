@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401 - DDP's first use imports it: ~3 s per forked rank
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: see the labs' start()
+import torch.distributed.nn  # noqa: F401  before any group exists: see the labs' setup()
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -168,12 +168,12 @@ def runtime_error_from(action, expected: str) -> RuntimeError:
 # ----------------------------------------------------------------------------- the labs' scaffold
 
 LABS = sorted((Path(__file__).parent / "labs").glob("[0-9][0-9]_*.py"))
-SCAFFOLD = ("start", "demo", "summarize", "main")
+SCAFFOLD = ("setup", "demo", "summarize", "main")
 
 
 def test_every_lab_carries_the_same_scaffold():
     """A lab is one file a learner can copy and run alone, so the scaffold is copied into every
-    lab, not imported: one start(), identical everywhere; demo(fix, ...) and summarize(facts, fix)
+    lab, not imported: one setup(), identical everywhere; demo(fix, ...) and summarize(facts, fix)
     called from main; the --fix and --result options."""
     assert len(LABS) >= 15, f"expected the 15 labs, found {[p.name for p in LABS]}"
     first, reference = None, None
@@ -183,14 +183,14 @@ def test_every_lab_carries_the_same_scaffold():
                      if isinstance(node, ast.FunctionDef)}
         missing = [name for name in SCAFFOLD if name not in functions]
         assert not missing, f"labs/{path.name} lacks {missing}: copy them from labs/{LABS[0].name}"
-        start = ast.get_source_segment(source, functions["start"])
+        start = ast.get_source_segment(source, functions["setup"])
         if reference is None:
             first, reference = path.name, start
         elif start != reference:
             diff = "\n".join(difflib.unified_diff(reference.splitlines(), start.splitlines(),
                                                   f"labs/{first}", f"labs/{path.name}",
                                                   lineterm=""))
-            raise AssertionError(f"labs/{path.name}'s start() differs from labs/{first}'s: every "
+            raise AssertionError(f"labs/{path.name}'s setup() differs from labs/{first}'s: every "
                                  f"lab carries the same copy, so change them all together\n{diff}")
         demo = [a.arg for a in functions["demo"].args.args]
         assert demo[:1] == ["fix"], f"labs/{path.name}: demo's first argument is fix, not {demo}"
@@ -199,8 +199,8 @@ def test_every_lab_carries_the_same_scaffold():
             f"labs/{path.name}: summarize(facts, fix) returns (symptom, verdict); got {summarize}")
         calls = [node for node in ast.walk(functions["main"]) if isinstance(node, ast.Call)]
         called = {node.func.id for node in calls if isinstance(node.func, ast.Name)}
-        assert {"start", "demo", "summarize"} <= called, (
-            f"labs/{path.name}: main calls {sorted(called)}; it should call start, demo and "
+        assert {"setup", "demo", "summarize"} <= called, (
+            f"labs/{path.name}: main calls {sorted(called)}; it should call setup, demo and "
             f"summarize")
         options = {node.args[0].value for node in calls
                    if isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"

@@ -16,6 +16,6 @@
 - ``harness.course``: the course manifest: lessons, their tasks and scripts.
 - ``harness.selfcheck``: run the course's own tests from outside, in scratch copies (for
   ``tests/``: solutions pass, stubs and known wrong answers are caught).
-- ``check_init_from_env.py``: a script lesson 03's tests run under ``torchrun`` to call the
-  graded ``init_from_env`` in real launched processes.
+- ``check_setup.py``: a script lesson 03's tests run under ``torchrun`` to call the
+  graded ``setup`` in real launched processes.
 """

@@ -81,7 +81,7 @@ COURSE: tuple[Lesson, ...] = (
             Script("pipeline_sweep.py", smallest=("--width", "16", "--batch-size", "8",
                                                   "--micro-batches", "1,2", "--steps", "1")))),
     Lesson("03_ddp", "DDP with torchrun",
-           {"task3_1": "shard_indices", "task3_2": "init_from_env", "task3_3": "average_gradients",
+           {"task3_1": "shard_indices", "task3_2": "setup", "task3_3": "average_gradients",
             "task3_4": "train_one_epoch", "task3_5": "GradientBuckets"},
            (Script("train_ddp.py", "torchrun", 2, QUICK, builds_on="00_single_gpu/train.py"),
             Script("train_spawn.py", smallest=("--nprocs", "2", *QUICK)))),

@@ -62,8 +62,8 @@ class DistInfo(NamedTuple):
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-# --8<-- [start:init_from_env]
-def init_from_env(backend: str = "auto") -> DistInfo:
+# --8<-- [start:setup]
+def setup(backend: str = "auto") -> DistInfo:
     """Join the process group the launcher (``torchrun``) described in the environment.
 
     - Read RANK, LOCAL_RANK, WORLD_SIZE (and LOCAL_WORLD_SIZE, default: WORLD_SIZE) and check
@@ -118,7 +118,7 @@ def init_from_env(backend: str = "auto") -> DistInfo:
     dist.init_process_group(backend, init_method="env://",
                             timeout=datetime.timedelta(seconds=30))
     return DistInfo(rank, local_rank, world_size, local_world_size, backend, device)
-# --8<-- [end:init_from_env]
+# --8<-- [end:setup]
 
 
 # --8<-- [start:average_gradients]

@@ -42,7 +42,7 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
     return False, "FIXED: each epoch read a new order (set_epoch was called before each epoch)"
 
 
-def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+def setup(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
     """Join the group torchrun describes, or make a group of one under plain python.
 
     Every lab carries this same function, so that each file runs on its own (a test keeps the
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fix", action="store_true", help="call sampler.set_epoch(epoch)")
     parser.add_argument("--result", type=Path, help="rank 0 writes the facts here as JSON")
     args = parser.parse_args(argv)
-    rank, world_size = start()
+    rank, world_size = setup()
     facts = [None] * world_size
     dist.all_gather_object(facts, demo(args.fix))
     symptom, verdict = summarize(facts, args.fix)

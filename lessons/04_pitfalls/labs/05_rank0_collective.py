@@ -79,7 +79,7 @@ def shared_folder() -> str:
     return name[0]
 
 
-def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+def setup(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
     """Join the group torchrun describes, or make a group of one under plain python.
 
     Every lab carries this same function, so that each file runs on its own (a test keeps the
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="process-group timeout, s")
     parser.add_argument("--result", type=Path, help="rank 0 writes the outcome here as JSON")
     args = parser.parse_args(argv)
-    rank, world_size = start(timeout=args.timeout)
+    rank, world_size = setup(timeout=args.timeout)
     folder = shared_folder()
     facts = {"rank": rank, "world_size": world_size, "error": None}
     began = time.monotonic()

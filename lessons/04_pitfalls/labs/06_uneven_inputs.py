@@ -69,7 +69,7 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
     return False, "FIXED: every rank trained on all its batches; nobody hung"
 
 
-def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+def setup(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
     """Join the group torchrun describes, or make a group of one under plain python.
 
     Every lab carries this same function, so that each file runs on its own (a test keeps the
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="process-group timeout, s")
     parser.add_argument("--result", type=Path, help="rank 0 writes the outcome here as JSON")
     args = parser.parse_args(argv)
-    rank, world_size = start(timeout=args.timeout)
+    rank, world_size = setup(timeout=args.timeout)
     facts = {"rank": rank, "world_size": world_size, "error": None}
     began = time.monotonic()
     try:

@@ -100,7 +100,7 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
     return True, "NOT FIXED: the fixes or the ranks disagree"
 
 
-def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+def setup(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
     """Join the group torchrun describes, or make a group of one under plain python.
 
     Every lab carries this same function, so that each file runs on its own (a test keeps the
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=100, help="training steps per variant")
     parser.add_argument("--result", type=Path, help="rank 0 writes the facts here as JSON")
     args = parser.parse_args(argv)
-    rank, world_size = start()
+    rank, world_size = setup()
     facts = [None] * world_size
     dist.all_gather_object(facts, demo(args.fix, args.steps))
     symptom, verdict = summarize(facts, args.fix)

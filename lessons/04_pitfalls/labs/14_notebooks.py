@@ -134,7 +134,7 @@ def summarize(facts: dict, fix: bool) -> tuple[bool, str]:
     return False, "NOT SHOWN: the cell's spawn worked"
 
 
-def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+def setup(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
     """Join the group torchrun describes, or make a group of one under plain python.
 
     Every lab carries this same function, so that each file runs on its own (a test keeps the
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     parser.add_argument("--result", type=Path, help="writes the outcome here as JSON")
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # started by torchrun: this lab is about not being there
-        rank, _ = start()  # join the group, so the ranks end together and rank 0 speaks
+        rank, _ = setup()  # join the group, so the ranks end together and rank 0 speaks
         # init_process_group can return on one rank before the others have connected to it:
         # leaving at once would close its sockets under them. A barrier first.
         dist.barrier()

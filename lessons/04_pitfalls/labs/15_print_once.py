@@ -58,7 +58,7 @@ def summarize(facts: list[dict], fix: bool) -> tuple[bool, str]:
     return False, f"FIXED: only rank 0 printed, {lines} lines with the loss of all ranks"
 
 
-def start(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
+def setup(backend: str = "gloo", timeout: float = 30.0) -> tuple[int, int]:
     """Join the group torchrun describes, or make a group of one under plain python.
 
     Every lab carries this same function, so that each file runs on its own (a test keeps the
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fix", action="store_true", help="print progress from rank 0 only")
     parser.add_argument("--result", type=Path, help="rank 0 writes the facts here as JSON")
     args = parser.parse_args(argv)
-    rank, world_size = start()
+    rank, world_size = setup()
     facts = [None] * world_size
     dist.all_gather_object(facts, demo(args.fix))
     symptom, verdict = summarize(facts, args.fix)

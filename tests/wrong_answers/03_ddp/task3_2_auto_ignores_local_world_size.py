@@ -4,7 +4,7 @@ TASK = "task3_2"
 EXPECT = r"should choose gloo.*LOCAL_WORLD_SIZE"
 
 
-def init_from_env(backend: str = "auto") -> DistInfo:
+def setup(backend: str = "auto") -> DistInfo:
     present = [name for name in LAUNCHER_VARIABLES if name in os.environ]
     if not present:
         raise RuntimeError(

@@ -4,7 +4,7 @@ TASK = "task3_2"
 EXPECT = r"the GPU index is LOCAL_RANK, not RANK"
 
 
-def init_from_env(backend: str = "auto") -> DistInfo:
+def setup(backend: str = "auto") -> DistInfo:
     present = [name for name in LAUNCHER_VARIABLES if name in os.environ]
     if not present:
         raise RuntimeError(

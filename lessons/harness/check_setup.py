@@ -1,9 +1,9 @@
-"""Runs lesson 03's ``init_from_env`` (task3_2) the way its tests need it; not lesson material.
+"""Runs lesson 03's ``setup`` (task3_2) the way its tests need it; not lesson material.
 
-    torchrun --standalone --nproc-per-node=2 lessons/harness/check_init_from_env.py
-    python lessons/harness/check_init_from_env.py --bad-environments
+    torchrun --standalone --nproc-per-node=2 lessons/harness/check_setup.py
+    python lessons/harness/check_setup.py --bad-environments
 
-Under torchrun every rank calls ``init_from_env()``, checks the group with an all-reduce, and
+Under torchrun every rank calls ``setup()``, checks the group with an all-reduce, and
 rank 0 reports what every rank returned. With ``--bad-environments`` it tries environments a
 launcher should never produce and reports the error raised for each.
 """
@@ -26,7 +26,7 @@ from harness.launch import free_port  # noqa: E402
 
 
 def under_launcher(ex) -> dict:
-    info = ex.init_from_env()
+    info = ex.setup()
     total = torch.ones(1, device=info.device) * (info.rank + 1)
     dist.all_reduce(total)
     gathered = [None] * dist.get_world_size()
@@ -63,7 +63,7 @@ def bad_environments(ex) -> dict:
         for patch in patches:
             patch.start()
         try:
-            info = ex.init_from_env(backend)
+            info = ex.setup(backend)
             report[name] = {"returned": {k: str(v) for k, v in info._asdict().items()},
                             "group": dist.is_initialized()}
         except NotImplementedError:
