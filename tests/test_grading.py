@@ -137,12 +137,17 @@ def test_in_ci_solutions_leave_out_the_lesson_checks_the_learner_run_passed(tmp_
     reports.mkdir()
     learner = run_pytest(demo, f"--junitxml={reports / 'learner.xml'}")
     assert "1 failed" in learner.stdout, learner.stdout
-    run = run_pytest(demo, "--solutions", "-m", "not task9_1 and not task9_4",
+    ci = ("-p", "harness.ci_grading")  # only .ci/run loads the shortcut
+    run = run_pytest(demo, "--solutions", *ci, "-m", "not task9_1 and not task9_4",
                      COURSE_CI_REPORTS=str(reports))
     assert "course: 1 lesson checks (tests of no task) passed in this CI run's learner run" in (
         run.stdout), run.stdout
     assert "1 failed, 2 passed, 3 deselected" in run.stdout, run.stdout  # 9_3; 9_2, exercises
-    (reports / "learner.xml").unlink()
+    # A learner's pytest (the course's plugin alone) runs everything, even beside a report.
     run = run_pytest(demo, "--solutions", "-m", "not task9_1 and not task9_4",
+                     COURSE_CI_REPORTS=str(reports))
+    assert "1 failed, 3 passed, 2 deselected" in run.stdout, run.stdout
+    (reports / "learner.xml").unlink()
+    run = run_pytest(demo, "--solutions", *ci, "-m", "not task9_1 and not task9_4",
                      COURSE_CI_REPORTS=str(reports))
     assert "1 failed, 3 passed, 2 deselected" in run.stdout, run.stdout

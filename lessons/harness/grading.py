@@ -7,17 +7,16 @@
 - Tests carry a task marker (``@pytest.mark.task3_2``) so one task can be run with ``-m task3_2``;
   the markers are the tasks of the course manifest, ``harness/course.py``.
 - The run ends with a per-lesson progress table.
-- In CI only (``$COURSE_CI_REPORTS/learner.xml`` present), ``--solutions`` leaves out the
-  lesson checks that the same CI run's learner run passed.
+
+CI's shortcut (``--solutions`` leaves out the lesson checks the same CI run's learner run passed)
+is another plugin, ``harness/ci_grading.py``, which only ``.ci/run`` loads.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
@@ -46,69 +45,6 @@ def pytest_configure(config):
         for task, graded in lesson.tasks.items():
             config.addinivalue_line("markers", f"{task}: {lesson.folder}, grades {graded}")
     config.pluginmanager.register(ProgressReport(), "course-progress")
-
-
-ALREADY_PASSED = pytest.StashKey[int]()  # lesson checks --solutions left out in CI
-
-
-@functools.cache
-def _names_used(path: str) -> dict[str, set[str]]:
-    """Each top-level function or class of a test module: the names it uses."""
-    import ast
-
-    tree = ast.parse(Path(path).read_text())
-    return {node.name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-            for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-
-
-def _reaches_the_exercises(item) -> bool:
-    """Whether a test uses the ``ex`` fixture or calls, through its module's own functions,
-    ``load_exercise``: the one place where learner and solutions runs differ."""
-    module, fixtures = getattr(item, "module", None), getattr(item, "fixturenames", ())
-    if "ex" in fixtures or module is None:  # not a test function: keep it
-        return True
-    graph = _names_used(module.__file__)
-    seen, todo = set(), [getattr(item, "originalname", item.name), *fixtures]
-    while todo:
-        name = todo.pop()
-        if name == "load_exercise":
-            return True
-        if name not in seen:
-            seen.add(name)
-            todo += graph.get(name, ())
-    return False
-
-
-def pytest_collection_modifyitems(config, items):
-    """In CI only, with --solutions: a lesson check (a test of no task) that passed in this CI
-    run's learner run ($COURSE_CI_REPORTS/learner.xml) is not run again, unless it reaches the
-    exercises (the ``ex`` fixture, or ``load_exercise`` through the module's functions). It
-    would run the same code a second time: mostly torchrun launches."""
-    from harness.selfcheck import CI_REPORTS_ENV, read_report
-
-    learner = Path(os.environ.get(CI_REPORTS_ENV, "")) / "learner.xml"
-    if not (solutions_mode() and os.environ.get(CI_REPORTS_ENV) and learner.is_file()):
-        return
-    passed = {node for node, (outcome, _) in read_report(learner).items() if outcome == "passed"}
-    again, done = [], []
-    for item in items:
-        path, _, name = item.nodeid.partition("::")
-        report_id = f"{path.removesuffix('.py').replace('/', '.')}::{name}"
-        untasked = not any(TASK_MARK.match(mark.name) for mark in item.iter_markers())
-        same_in_both = untasked and report_id in passed and not _reaches_the_exercises(item)
-        (done if same_in_both else again).append(item)
-    if done:
-        config.hook.pytest_deselected(items=done)
-        items[:] = again
-        config.stash[ALREADY_PASSED] = len(done)
-
-
-def pytest_report_collectionfinish(config, start_path, items):
-    count = config.stash.get(ALREADY_PASSED, 0)
-    if count:
-        return (f"course: {count} lesson checks (tests of no task) passed in this CI run's "
-                f"learner run; not run again")
-    return None
 
 
 def pytest_report_header(config):
