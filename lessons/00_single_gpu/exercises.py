@@ -20,7 +20,8 @@ def choose_device(requested: str | None = None) -> torch.device:
     - ``"cpu"``: the CPU;
     - ``"cuda"`` or ``"cuda:N"``: that device; but raise ``ValueError`` when CUDA is not
       available (with a message that names ``'cpu'`` as the way out), or when N is not below
-      ``torch.cuda.device_count()``;
+      ``count = torch.cuda.device_count()`` (with a message that gives the valid range,
+      ``cuda:0`` to ``cuda:<count - 1>``, and names no other index above it but N);
     - anything else (``"gpu"``, ``"tpu"``, ``""``, ``"cuda:x"``): ``ValueError``.
 
     Ask ``torch.cuda.is_available()`` / ``torch.cuda.device_count()`` when called: the test

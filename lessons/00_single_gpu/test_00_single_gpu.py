@@ -40,6 +40,8 @@ CLAUSES = {
             "test_choose_device_refuses_cuda_without_a_gpu"],
         "raise ValueError when N is not below torch.cuda.device_count()": [
             "test_choose_device_refuses_what_it_cannot_give"],
+        "the out-of-range message gives the valid range, cuda:0 to cuda:<count - 1>": [
+            "test_choose_device_names_the_valid_range_when_the_index_is_too_high"],
         "anything else ('gpu', 'tpu', '', 'cuda:x'): ValueError": [
             "test_choose_device_refuses_what_it_cannot_give"],
         "ask torch.cuda.is_available() / device_count() when called": [
@@ -175,6 +177,24 @@ def test_choose_device_refuses_what_it_cannot_give(ex, monkeypatch, requested, g
     imitate_machine(monkeypatch, gpus)
     assert_refused(ex, requested, gpus, why)
 
+
+
+@pytest.mark.task0_1
+@pytest.mark.parametrize(("requested", "gpus"), [("cuda:2", 2), ("cuda:5", 2), ("cuda:1", 1)])
+def test_choose_device_names_the_valid_range_when_the_index_is_too_high(ex, monkeypatch,
+                                                                        requested, gpus):
+    imitate_machine(monkeypatch, gpus)
+    message = assert_refused(ex, requested, gpus, f"there are only {gpus} GPU(s)")
+    last = f"cuda:{gpus - 1}"
+    asked = int(requested.partition(":")[2])
+    named = {int(index) for index in re.findall(r"cuda:(\d+)", message)}
+    beyond = sorted(named - {asked} - set(range(gpus)))
+    assert last in message and not beyond, (
+        f"{describe(requested, gpus)} raised ValueError({message!r}); the message should give the "
+        f"valid range, cuda:0 to {last} (the last valid index is the number of GPUs minus one)"
+        + (f", but it names {', '.join(f'cuda:{i}' for i in beyond)}, which this machine does "
+           "not have" if beyond else "")
+    )
 
 # ---------------------------------------------------------------- task0_2: to_device
 

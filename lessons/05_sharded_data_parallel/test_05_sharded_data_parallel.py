@@ -168,6 +168,8 @@ CLAUSES = {
             ["test_shard_model_refuses_a_rank_with_another_model"],
         "and the first parameter where it differs":
             ["test_shard_model_names_the_first_parameter_that_differs"],
+        "where one rank's parameters are the other's with more after them: both counts":
+            ["test_shard_model_gives_both_counts_when_one_model_has_more_at_the_end"],
         "a mesh over all ranks: init_device_mesh(<the parameters' device type>, (world_size,))":
             ["test_shard_model_trains_like_ddp"],
         "fully_shard each block first, then the root": [
@@ -1361,6 +1363,44 @@ def test_shard_model_names_the_first_parameter_that_differs(ex, difference):
             f"rank {rank}: the ValueError should name the first parameter where rank 1's model "
             f"differs ({' or '.join(sorted(names))}), with its shapes: {message!r}")
 
+
+
+def with_a_layer_after_the_head() -> GPT:
+    """The test's GPT with one more module registered last: its parameters are rank 0's, then
+    two more (``extra.weight``, ``extra.bias``), so no position of the two lists differs."""
+    model = make_gpt()
+    model.extra = nn.Linear(2, 2)
+    return model
+
+
+def shard_a_model_with_more_at_the_end(ctx):
+    ex = load_exercise(LESSON)
+    model = with_a_layer_after_the_head() if ctx.rank == 1 else make_gpt()
+    try:
+        ex.shard_model(model)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.task5_4
+def test_shard_model_gives_both_counts_when_one_model_has_more_at_the_end(ex):
+    raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
+    messages = run_on_ranks(shard_a_model_with_more_at_the_end, world_size=2, timeout=20,
+                            pg_timeout=5.0)
+    counts = {0: len(list(make_gpt().parameters())),
+              1: len(list(with_a_layer_after_the_head().parameters()))}
+    for rank, message in enumerate(messages):
+        assert message is not None, (
+            f"rank {rank}: shard_model returned although rank 1's model has two parameters "
+            f"more than rank 0's, after all of rank 0's: raise ValueError")
+        numbers = {int(n) for n in re.findall(r"\b\d+\b", message)}
+        missing = [f"rank {r}'s {counts[r]}" for r in counts if counts[r] not in numbers]
+        assert not missing, (
+            f"rank {rank}: rank 1's parameters are rank 0's ({counts[0]}) followed by two more "
+            f"({counts[1]} in all), so no parameter differs where both have one; the ValueError "
+            f"should then give both ranks' numbers of parameters, rank 0's and rank 1's, but "
+            f"lacks {' and '.join(missing)}: {message!r}")
 
 def shard_with_a_policy(ctx) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -70,7 +70,8 @@ class StageRunner:
 
     ``step(actions, inputs=None, targets=None)`` runs ``actions`` (this stage's list from
     ``schedule``) in order. ``inputs`` (first stage) and ``targets`` (last stage) are lists of
-    the m micro-batches. For each action:
+    the m micro-batches, m the number of ``"F"`` actions in ``actions`` (a list of forwards
+    only, an evaluation, runs them and returns their losses too). For each action:
 
     - ``("F", i)``: the input is ``inputs[i]`` on the first stage; any other stage receives it
       from stage - 1 into a new tensor of ``activation_shape`` and marks it ``requires_grad``.
@@ -99,9 +100,11 @@ class StageRunner:
     is received), posting first a send still held back after the last action.
 
     Also records ``self.timeline``: one ``(kind, i, start, end)`` per action, ``time.perf_counter``
-    seconds around its computation only (not its receives). Returns the last stage's m losses as
-    floats (scaled back up: each micro-batch's own mean loss), an empty list on other stages.
-    Gradients accumulate in the module's parameters; the caller steps the optimizer.
+    seconds around its computation only (not its receives); ``[]`` from construction, and
+    started anew by each ``step``, so that it holds the last step's actions only, in their
+    order. Returns the last stage's m losses as floats (scaled back up: each micro-batch's own
+    mean loss), an empty list on other stages. Gradients accumulate in the module's parameters;
+    the caller steps the optimizer.
 
     The test trains 2 and 4 stages of the running example with both schedules and several
     micro-batch counts against the unsplit model, records the operations each stage posts and
@@ -132,10 +135,12 @@ def split_gpt(model: nn.Module, num_stages: int) -> list[GPTStage]:
     Count each block's parameters; the first stage's count also includes the embeddings, the
     last's the final norm and the head. Of every way to cut the blocks into ``num_stages``
     non-empty runs, take one whose largest stage is smallest: every stage then needs about the
-    same memory for its parameters, gradients and optimizer state. (Balancing the *time* of
-    the stages, which sets the pipeline's pace, would count compute instead: an embedding has
-    many parameters and almost no compute. The README explains both; this task is the memory
-    split.) More stages than blocks raise ``ValueError`` naming both numbers.
+    same memory for its parameters, gradients and optimizer state; where several tie, the one
+    with the fewest blocks in the first stage, then in the second, and so on (the first cut in
+    ``itertools.combinations`` order). (Balancing the *time* of the stages, which sets the
+    pipeline's pace, would count compute instead: an embedding has many parameters and almost
+    no compute. The README explains both; this task is the memory split.) More stages than
+    blocks raise ``ValueError`` naming both numbers.
 
     The test checks the stages keep every parameter once, in order, and that no cut has a
     smaller largest stage; then trains the stages against the unsplit model.

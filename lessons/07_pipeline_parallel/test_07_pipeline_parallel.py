@@ -126,7 +126,12 @@ CLAUSES = {
             "test_stage_runner_trains_like_one_process",
             "test_stage_runner_posts_an_order_nccl_can_run"],
         "self.timeline: one (kind, i, start, end) per action": [
-            "test_measured_bubble_matches_the_formula"],
+            "test_measured_bubble_matches_the_formula",
+            "test_stage_runner_timeline_starts_empty_and_holds_the_last_step_only"],
+        "self.timeline is [] from construction and started anew by each step": [
+            "test_stage_runner_timeline_starts_empty_and_holds_the_last_step_only"],
+        "m is the number of F actions: a list of forwards only returns their losses": [
+            "test_stage_runner_evaluates_a_list_of_forwards_only"],
         "the timeline's times cover the computation only, not the receives": [
             "test_measured_bubble_matches_the_formula"],
         "returns the last stage's m losses, scaled back up (each micro-batch's own mean)": [
@@ -149,6 +154,8 @@ CLAUSES = {
             "test_split_gpt_cuts_between_blocks_as_evenly_as_possible"],
         "of every cut into non-empty runs, one whose largest stage is smallest": [
             "test_split_gpt_cuts_between_blocks_as_evenly_as_possible"],
+        "ties: the fewest blocks in the first stage, then the second, and so on": [
+            "test_split_gpt_breaks_ties_with_the_fewest_blocks_first"],
         "more stages than blocks raise ValueError naming both numbers": [
             "test_split_gpt_refuses_more_stages_than_blocks"],
     },
@@ -163,10 +170,14 @@ CLAUSES = {
         "torch averages the micro-batches' gradients (scale_grads=True)": [
             "test_torch_pipelining_trains_like_one_process"],
         "torch_step: the first stage passes the whole batch's inputs": [
-            "test_torch_pipelining_trains_like_one_process"],
+            "test_torch_pipelining_trains_like_one_process",
+            "test_torch_step_passes_each_stage_only_what_it_uses"],
         "torch_step: the last its targets and a list for the losses": [
-            "test_torch_pipelining_trains_like_one_process"],
-        "torch_step: a middle stage nothing": ["test_torch_pipelining_trains_like_one_process"],
+            "test_torch_pipelining_trains_like_one_process",
+            "test_torch_step_passes_each_stage_only_what_it_uses"],
+        "torch_step: a middle stage nothing": [
+            "test_torch_pipelining_trains_like_one_process",
+            "test_torch_step_passes_each_stage_only_what_it_uses"],
         "torch_step: a single stage passes both": [
             "test_torch_step_on_a_single_stage_passes_the_inputs_and_the_targets"],
         "torch_step returns the last stage's micro-batch losses as floats": [
@@ -739,6 +750,7 @@ def watched_pipeline_run(ctx, m: int) -> dict:
     stage = WatchedStage(first=ctx.rank == 0)
     runner = ex.StageRunner(stage, ctx.rank, ctx.world_size, (2, 4),
                             loss_fn=lambda out, target: ((out - target) ** 2).mean(), timeout=20.0)
+    fresh = list(runner.timeline) if hasattr(runner, "timeline") else "no attribute timeline"
     data = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(m)]
     actions = reference_schedule("1f1b", ctx.world_size, m)[ctx.rank]
     with watched_lone_sends() as lone:
@@ -751,7 +763,8 @@ def watched_pipeline_run(ctx, m: int) -> dict:
                 targets=data if ctx.rank == ctx.world_size - 1 else None)
     return {"alive": alive, "done": done, "lone": len(lone), "unwaited": unwaited,
             "losses": [type(loss).__name__ for loss in losses],
-            "grads": (first, stage.linear.weight.grad.clone())}
+            "grads": (first, stage.linear.weight.grad.clone()),
+            "fresh": fresh, "actions": actions, "timeline": list(runner.timeline)}
 
 
 @functools.cache
@@ -808,6 +821,68 @@ def test_stage_runner_returns_the_losses_as_floats(ex):
         f"micro-batch losses as Python floats (loss.item() * m), not tensors that keep their "
         f"graphs")
     assert got[0]["losses"] == [], f"rank 0: a stage before the last returned {got[0]['losses']}"
+
+
+@pytest.mark.task7_2
+def test_stage_runner_timeline_starts_empty_and_holds_the_last_step_only(ex):
+    """The timeline right after construction, and after the second of two steps of 1F1B on 2
+    stages: one (kind, i, start, end) per action of that step, in the actions' order."""
+    raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
+    for rank, got in enumerate(watched_pipeline()):
+        assert got["fresh"] == [], (
+            f"rank {rank}: a new StageRunner's timeline is {got['fresh']!r:.100}, expected []: "
+            f"set self.timeline = [] in __init__, so that it can be read before the first step")
+        actions, timeline = [tuple(a) for a in got["actions"]], got["timeline"]
+        kinds = [tuple(entry[:2]) for entry in timeline]
+        assert kinds == actions, (
+            f"rank {rank}: after the second of two steps of {len(actions)} actions the timeline "
+            f"holds {len(timeline)} entries, {kinds!r:.160}; expected that step's actions only, "
+            f"in their order ({actions!r:.160}). Start self.timeline anew (= []) at the start of "
+            f"each step, and record each action's own kind and micro-batch")
+        backwards = [entry for entry in timeline if not entry[2] <= entry[3]]
+        assert not backwards, (
+            f"rank {rank}: timeline entries whose end comes before their start: {backwards!r:.160}"
+            f"; record (kind, i, start, end) with time.perf_counter() before and after")
+
+
+def evaluation_run(ctx, m: int) -> dict:
+    """A step of GPipe on 2 stages, then a step of the same forwards only (an evaluation):
+    what each returned."""
+    ex = load_exercise(LESSON)
+    torch.manual_seed(ctx.rank)
+    stage = nn.Linear(4, 4)
+    runner = ex.StageRunner(stage, ctx.rank, ctx.world_size, (2, 4),
+                            loss_fn=lambda out, target: ((out - target) ** 2).mean(), timeout=20.0)
+    data = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(m)]
+    ends = {"inputs": data if ctx.rank == 0 else None,
+            "targets": data if ctx.rank == ctx.world_size - 1 else None}
+    trained = runner.step(reference_schedule("gpipe", ctx.world_size, m)[ctx.rank], **ends)
+    evaluated = runner.step([("F", i) for i in range(m)], **ends)
+    return {"trained": trained, "evaluated": evaluated}
+
+
+@pytest.mark.task7_2
+def test_stage_runner_evaluates_a_list_of_forwards_only(ex):
+    """m is the number of forwards in the actions: a list of forwards only (no backward) gives
+    the same micro-batch losses as the training step's forwards."""
+    raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
+    m = 4
+    try:
+        results = run_on_ranks(evaluation_run, m, world_size=2, timeout=60)
+    except RankError as error:
+        raise AssertionError(
+            f"a step of {m} forwards only (no backwards), after a training step, failed on 2 "
+            f"stages:\n" + str(error)[:1500]) from None
+    got, want = results[-1]["evaluated"], results[-1]["trained"]
+    assert isinstance(got, list) and len(got) == m, (
+        f"the last stage's step of {m} forwards only returned {got!r:.80}: expected its {m} "
+        f"micro-batch losses")
+    assert_close(torch.tensor(got), torch.tensor(want),
+                 f"the last stage's losses from a step of {m} forwards only, against those of "
+                 f"the training step's forwards (m is the number of \"F\" actions: count the "
+                 f"forwards, not the backwards)", 1)
+    assert results[0]["evaluated"] == [], (
+        f"rank 0: a stage before the last returned {results[0]['evaluated']}")
 
 
 def test_micro_batches_must_be_equal(ex):
@@ -872,6 +947,36 @@ def test_split_gpt_cuts_between_blocks_as_evenly_as_possible(ex, num_stages):
         f"largest is {largest:,} but a cut with {best:,} exists. Count the embeddings with "
         f"the first block and the final norm and head with the last, then take the cut whose "
         f"largest stage is smallest (not the one with as many blocks in each)")
+
+
+def blocks_per_stage(model: GPT, stages) -> list[int]:
+    own = {id(p): name for name, p in model.named_parameters()}
+    return [len({own[id(p)].split(".")[1] for p in stage.parameters()
+                 if own.get(id(p), "").startswith("blocks.")}) for stage in stages]
+
+
+@pytest.mark.task7_3
+@pytest.mark.parametrize(("n_layer", "num_stages"), [(5, 4), (6, 4), (6, 5)])
+def test_split_gpt_breaks_ties_with_the_fewest_blocks_first(ex, n_layer, num_stages):
+    """Models whose best largest stage several cuts reach: the first stage's blocks as few as
+    can be, then the second's, and so on (the first such cut in combinations order)."""
+    model = make_gpt(**{**BIG_ENDS, "n_layer": n_layer})
+    sizes = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    best = best_largest_stage(model, num_stages)
+    tied = []
+    for cuts in itertools.combinations(range(1, n_layer), num_stages - 1):
+        lengths = [b - a for a, b in itertools.pairwise((0, *cuts, n_layer))]
+        stages = [GPTStage(model, a, b) for a, b in itertools.pairwise((0, *cuts, n_layer))]
+        if max(stage_sizes(stages)) == best:
+            tied.append(lengths)
+    assert len(tied) > 1, f"the test's model has one best cut, {tied}, not a tie ({sizes})"
+    got = blocks_per_stage(model, ex.split_gpt(model, num_stages))
+    assert got == tied[0], (
+        f"split_gpt(model, {num_stages}) on {n_layer} blocks: stages of {got} blocks; the cuts "
+        f"of {' and of '.join(map(str, tied))} blocks all have the smallest largest stage "
+        f"({best:,} parameters). Of tied cuts take the one with the fewest blocks in the first "
+        f"stage, then in the second, and so on, {tied[0]}: keep the first best cut found in "
+        f"itertools.combinations order, replace it only by a strictly smaller largest stage")
 
 
 @pytest.mark.task7_3
@@ -1027,6 +1132,57 @@ def test_torch_step_on_a_single_stage_passes_the_inputs_and_the_targets(ex):
     assert_trains_like_one_process(results, "torch's Schedule1F1B, 1 stage, 4 micro-batches", 4)
     assert_close(torch.tensor(results[0]["losses"]), torch.tensor(one_process()["losses"][4]),
                  "the single stage's micro-batch losses from torch_step")
+
+
+class RecordedSchedule:
+    """Stands in for a torch schedule: notes what ``step`` is given, and on the last stage
+    fills the losses list as torch does."""
+
+    def __init__(self):
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def step(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if isinstance(kwargs.get("losses"), list) and kwargs.get("target") is not None:
+            kwargs["losses"].extend(torch.tensor(0.5) for _ in range(2))
+
+
+@pytest.mark.task7_4
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["first", "middle", "last"])
+def test_torch_step_passes_each_stage_only_what_it_uses(ex, stage):
+    """What torch_step hands to schedule.step on each stage of three: the first stage the
+    inputs alone, the last the targets and a list for the losses, a middle stage nothing."""
+    raise_if_untouched(ex.torch_step)
+    schedule = RecordedSchedule()
+    inputs, targets = batch(0)
+    where = ["the first", "a middle", "the last"][stage] + " stage of 3"
+    got = ex.torch_step(schedule, stage, 3, inputs, targets)
+    assert len(schedule.calls) == 1, (
+        f"torch_step on {where} called schedule.step {len(schedule.calls)} times; once")
+    args, kwargs = schedule.calls[0]
+    passed_inputs = any(a is inputs for a in args) or any(v is inputs for v in kwargs.values())
+    passed_targets = kwargs.get("target") is targets or any(a is targets for a in args)
+    if stage == 0:
+        assert passed_inputs and not passed_targets, (
+            f"torch_step on {where} called schedule.step(*{len(args)} args, keywords "
+            f"{sorted(kwargs)}); the first stage (not also the last) passes the inputs alone, "
+            f"schedule.step(inputs): the targets belong to the last stage")
+        assert got == [], f"torch_step on {where} returned {got!r}; expected []"
+    elif stage == 1:
+        assert not args and not kwargs, (
+            f"torch_step on {where} called schedule.step(*{len(args)} args, keywords "
+            f"{sorted(kwargs)}); a middle stage passes nothing, schedule.step()")
+        assert got == [], f"torch_step on {where} returned {got!r}; expected []"
+    else:
+        assert not passed_inputs and not args and passed_targets and isinstance(
+            kwargs.get("losses"), list), (
+            f"torch_step on {where} called schedule.step(*{len(args)} args, keywords "
+            f"{sorted(kwargs)}); the last stage (not also the first) passes no inputs, only "
+            f"the targets and a list for the losses, schedule.step(target=targets, "
+            f"losses=losses)")
+        assert got == [0.5, 0.5] and all(isinstance(x, float) for x in got), (
+            f"torch_step on {where} returned {got!r}; expected the losses torch put in the "
+            f"list, as floats: [0.5, 0.5]")
 
 
 # ----------------------------------------------------------------------------- the script

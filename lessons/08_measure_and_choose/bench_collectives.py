@@ -140,6 +140,10 @@ def fit_alpha_beta(sizes: list[int], seconds: list[float], world_size: int) -> t
 
 def predict_allreduce_seconds(num_bytes: int, world_size: int, alpha: float,
                               beta: float) -> float:
+    """The ring all-reduce's time for ``num_bytes`` on ``world_size`` ranks, from (alpha, beta)."""
+    if world_size < 1 or num_bytes < 0:
+        raise ValueError(f"need world_size >= 1 and num_bytes >= 0; got {world_size}, "
+                         f"{num_bytes}")
     steps = 2 * (world_size - 1)
     return steps * alpha + steps * num_bytes / world_size * beta
 

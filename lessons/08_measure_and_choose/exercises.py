@@ -70,7 +70,9 @@ def predict_allreduce_seconds(num_bytes: int, world_size: int, alpha: float,
                               beta: float) -> float:
     """The time of a ring all-reduce of ``num_bytes`` on ``world_size`` ranks: 2 (W - 1)
     steps of latency ``alpha``, each sending ``num_bytes / W`` at ``beta`` seconds per byte.
-    On one rank nothing moves: 0.0. The test checks it against ``fit_alpha_beta``'s model."""
+    On one rank nothing moves: 0.0. Fewer than one rank (``world_size < 1``) or a negative
+    ``num_bytes`` raises ``ValueError``, either alone. The test checks it against
+    ``fit_alpha_beta``'s model."""
     raise NotImplementedError("task8_2: 2 (W - 1) steps of alpha, each sending n / W bytes")
 # --8<-- [end:predict_allreduce_seconds]
 

@@ -86,6 +86,8 @@ CLAUSES = {
         "predict_allreduce_seconds: 2 (W - 1) steps of alpha, each sending n / W at beta": [
             "test_predicted_allreduce_is_the_ring"],
         "predict_allreduce_seconds: 0.0 on one rank": ["test_predicted_allreduce_is_the_ring"],
+        "predict_allreduce_seconds: world_size < 1 or num_bytes < 0 raises ValueError": [
+            "test_predicted_allreduce_refuses_impossible_sizes"],
         "ddp_buckets: lists of indices, each parameter added to the open bucket, in order": [
             "test_buckets_are_the_ones_torch_assigns",
             "test_buckets_are_the_ones_torch_assigns_for_any_sizes"],
@@ -343,6 +345,29 @@ def test_predicted_allreduce_is_the_ring(ex, world):
                      f"an all-reduce of {n} bytes on {world} ranks: 2 (W - 1) steps of alpha, "
                      f"each sending n / W bytes", rtol=1e-9, atol=0)
 
+
+
+@pytest.mark.task8_2
+@pytest.mark.parametrize(("num_bytes", "world"), [(4096, 0), (4096, -2), (-1, 4), (-1, 1),
+                                                  (-1, 0)],
+                         ids=["no rank", "negative ranks", "negative bytes on 4",
+                              "negative bytes on 1", "both"])
+def test_predicted_allreduce_refuses_impossible_sizes(ex, num_bytes, world):
+    what = f"predict_allreduce_seconds({num_bytes}, {world}, 20e-6, 1 / 50e9)"
+    why = ("world_size must be at least 1" if world < 1 else "") + (
+        " and " if world < 1 and num_bytes < 0 else "") + (
+        "num_bytes cannot be negative" if num_bytes < 0 else "")
+    try:
+        got = ex.predict_allreduce_seconds(num_bytes, world, 20e-6, 1 / 50e9)
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as error:
+        pytest.fail(f"{what} raised {type(error).__name__}: {error}; expected ValueError "
+                    f"({why}). Check the sizes first: either one impossible is enough")
+    pytest.fail(f"{what} returned {got!r}; expected ValueError ({why}). Check world_size < 1 "
+                f"or num_bytes < 0: either one alone is impossible")
 
 def torch_buckets(sizes: list[int], cap: int, first: int) -> list[list[int]]:
     """torch's own assignment of tensors of these byte sizes to buckets."""

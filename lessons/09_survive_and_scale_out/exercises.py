@@ -39,9 +39,10 @@ class ResumableSampler(DistributedSampler):
     ``set_epoch(epoch, start=k)`` makes the next iteration yield this rank's indices of that
     epoch from the ``k``-th on (``k`` counts this rank's samples already trained on, the same
     number on every rank); ``__len__`` is what is left. ``set_epoch(epoch)`` starts the epoch at
-    its beginning. The order is the parent's: a function of the seed, the epoch, the rank and
-    the world size alone, which is what makes skipping ahead exact. ``start`` below 0 or above
-    the rank's share raises ``ValueError``.
+    its beginning, and so does a sampler on which ``set_epoch`` was never called (epoch 0,
+    whole: the parent's). The order is the parent's: a function of the seed, the epoch, the
+    rank and the world size alone, which is what makes skipping ahead exact. ``start`` below 0
+    or above the rank's share raises ``ValueError``.
 
     The test checks that a resumed epoch yields exactly the rest of an uninterrupted one.
     """
@@ -64,7 +65,8 @@ class ResumableSampler(DistributedSampler):
 # --8<-- [start:save_training_state]
 def save_training_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, scaler,
                         position: Mapping) -> None:
-    """Write the checkpoint directory ``path`` (the layout above); every rank calls it.
+    """Write the checkpoint directory ``path`` (a ``str`` or a path object; the layout
+    above); every rank calls it.
 
     ``model`` is the bare module (for DDP, ``ddp_model.module``: the wrapper's keys carry a
     ``module.`` prefix that a plain model does not load). ``position`` is saved as given. The
@@ -82,7 +84,8 @@ def save_training_state(path: str | os.PathLike, model: nn.Module, optimizer, sc
        file's data, so without this a power loss can leave a short file under the final
        name);
     3. renames the directory to ``path``. A ``path`` that exists already (this step was saved
-       before a restart, perhaps broken) is replaced: renamed aside first, removed after;
+       before a restart, perhaps broken) is replaced: renamed aside first, to ``<path>.old``
+       (removed before, if a crash between these renames left one), removed after;
     4. ``sync_to_disk`` the parent directory: the rename itself becomes durable.
 
     No rank returns before then. A crash at any moment leaves the earlier checkpoints as they
@@ -123,8 +126,13 @@ def expand_nodelist(nodelist: str) -> list[str]:
     Commas separate hosts, except inside brackets; a bracket holds numbers and ranges
     ``a-b``, and a range keeps the width of its first number (``[08-10]``: 08, 09, 10). A name
     with several brackets expands to every combination (``r[1-2]n[1-2]``: r1n1, r1n2, r2n1,
-    r2n2), as ``scontrol show hostnames`` does. An unclosed bracket, an empty list or a range
-    that runs backwards raises ``ValueError``.
+    r2n2), as ``scontrol show hostnames`` does.
+
+    ``ValueError`` for: an empty list, or an empty host (``a,,b``, a trailing comma); brackets
+    that do not pair up (one left unclosed, ``node[1-2``; nested, ``node[[1-2]]``; a ``]``
+    before its ``[``), with a message that says ``bracket``; a number in a bracket that is not
+    plain digits (``node[a-3]``, ``node[+1]``, ``node[ 1]``: ``int()`` alone would take the
+    last two); a range that runs backwards.
     """
     raise NotImplementedError("task9_2: split at commas outside brackets; keep the widths")
 # --8<-- [end:expand_nodelist]
@@ -146,7 +154,8 @@ def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None)
       sharing a node then do not collide on one port;
     - the GPUs: ``nproc_per_node`` when given, else ``SLURM_GPUS_ON_NODE``, else the number at
       the end of ``SLURM_GPUS_PER_NODE`` (``"4"`` or ``"h100:4"``);
-    - ``SLURM_NNODES`` and ``SLURM_NODELIST`` are older names of the same two variables.
+    - ``SLURM_NNODES`` and ``SLURM_NODELIST`` are older names of the same two variables, read
+      when the new name is not set (or empty); when both are set, the new name wins.
 
     ``ValueError`` (naming the variable) for: a variable missing, a node count that is not
     the node list's length, more than one task on a node (several torchruns on one node
@@ -154,7 +163,8 @@ def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None)
     ``SLURM_TASKS_PER_NODE``, which SLURM sets in every job, in its compressed form
     (``"1(x4)"``: 1 task on each of 4 nodes; ``"2(x3),1"``: 2 on each of 3, then 1), and in
     ``SLURM_NTASKS_PER_NODE``, which it sets only when the job asked ``--ntasks-per-node``:
-    check both, and every count in them must be 1.
+    check both, and every count in them must be 1. A value of either not in that form
+    (``"1(x4"``, ``"one"``) raises ``ValueError`` naming it too.
     The test runs a table of emulated SLURM environments.
     """
     raise NotImplementedError("task9_2: every node meets at the node list's first host")

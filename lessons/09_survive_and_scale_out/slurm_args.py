@@ -27,8 +27,13 @@ def expand_nodelist(nodelist: str) -> list[str]:
     Commas separate hosts, except inside brackets; a bracket holds numbers and ranges
     ``a-b``, and a range keeps the width of its first number (``[08-10]``: 08, 09, 10). A name
     with several brackets expands to every combination (``r[1-2]n[1-2]``: r1n1, r1n2, r2n1,
-    r2n2), as ``scontrol show hostnames`` does. An unclosed bracket, an empty list or a range
-    that runs backwards raises ``ValueError``.
+    r2n2), as ``scontrol show hostnames`` does.
+
+    ``ValueError`` for: an empty list, or an empty host (``a,,b``, a trailing comma); brackets
+    that do not pair up (one left unclosed, ``node[1-2``; nested, ``node[[1-2]]``; a ``]``
+    before its ``[``), with a message that says ``bracket``; a number in a bracket that is not
+    plain digits (``node[a-3]``, ``node[+1]``, ``node[ 1]``: ``int()`` alone would take the
+    last two); a range that runs backwards.
     """
     def expand(host: str) -> list[str]:  # the first bracket, then the rest of the name
         match = re.search(r"\[([^\]]*)\]", host)
@@ -78,7 +83,8 @@ def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None)
       sharing a node then do not collide on one port;
     - the GPUs: ``nproc_per_node`` when given, else ``SLURM_GPUS_ON_NODE``, else the number at
       the end of ``SLURM_GPUS_PER_NODE`` (``"4"`` or ``"h100:4"``);
-    - ``SLURM_NNODES`` and ``SLURM_NODELIST`` are older names of the same two variables.
+    - ``SLURM_NNODES`` and ``SLURM_NODELIST`` are older names of the same two variables, read
+      when the new name is not set (or empty); when both are set, the new name wins.
 
     ``ValueError`` (naming the variable) for: a variable missing, a node count that is not
     the node list's length, more than one task on a node (several torchruns on one node
@@ -86,7 +92,8 @@ def slurm_to_torchrun(env: Mapping[str, str], nproc_per_node: int | None = None)
     ``SLURM_TASKS_PER_NODE``, which SLURM sets in every job, in its compressed form
     (``"1(x4)"``: 1 task on each of 4 nodes; ``"2(x3),1"``: 2 on each of 3, then 1), and in
     ``SLURM_NTASKS_PER_NODE``, which it sets only when the job asked ``--ntasks-per-node``:
-    check both, and every count in them must be 1.
+    check both, and every count in them must be 1. A value of either not in that form
+    (``"1(x4"``, ``"one"``) raises ``ValueError`` naming it too.
     The test runs a table of emulated SLURM environments.
     """
     def need(*names: str) -> str:

@@ -66,6 +66,8 @@ CLAUSES = {
         "set_epoch(epoch) starts the epoch at its beginning": [
             "test_the_sampler_resumes_an_epoch_where_it_stopped",
             "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
+        "a sampler never given set_epoch: epoch 0, whole (the parent's)": [
+            "test_a_sampler_never_given_set_epoch_is_the_parents_epoch_0"],
         "the order is the parent's (seed, epoch, rank, world size)": [
             "test_the_sampler_resumes_an_epoch_where_it_stopped",
             "test_the_sampler_resumes_any_epoch_of_any_split_where_it_stopped"],
@@ -76,6 +78,8 @@ CLAUSES = {
         "save: the position is saved as given": [
             "test_the_file_holds_the_layout_of_the_text",
             "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
+        "save: path is a str or a path object": [
+            "test_a_save_takes_its_path_as_a_str_too"],
         "save: every rank's rng_state() gathered to rank 0, which writes the file": [
             "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped",
             "test_the_file_holds_the_layout_of_the_text"],
@@ -92,6 +96,8 @@ CLAUSES = {
             "test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped"],
         "save 3: a path that exists already is replaced (renamed aside, removed after)": [
             "test_a_save_replaces_a_copy_of_its_step_left_by_an_earlier_attempt"],
+        "save 3: aside to <path>.old, removed before if a crash left one": [
+            "test_a_save_removes_the_old_copy_a_crash_left_aside"],
         "save 4: sync_to_disk the parent directory after the rename": [
             "test_a_save_reaches_the_disk_before_and_after_its_rename"],
         "save: no rank returns before then": [
@@ -126,7 +132,16 @@ CLAUSES = {
         "several brackets expand to every combination": [
             "test_node_lists_expand_as_slurm_does",
             "test_any_compressed_node_list_expands_to_its_hosts"],
-        "an unclosed bracket, an empty list or a backwards range raises ValueError": [
+        "an empty list or a backwards range raises ValueError": [
+            "test_bad_node_lists_are_refused"],
+        "an empty host (a,,b; a trailing comma) raises ValueError": [
+            "test_bad_node_lists_are_refused"],
+        "brackets that do not pair up (unclosed, nested, ']' first) raise ValueError": [
+            "test_bad_node_lists_are_refused",
+            "test_brackets_that_do_not_pair_up_are_reported_as_such"],
+        "the message of unpaired brackets says 'bracket'": [
+            "test_brackets_that_do_not_pair_up_are_reported_as_such"],
+        "a number in a bracket that is not plain digits raises ValueError": [
             "test_bad_node_lists_are_refused"],
         "slurm_to_torchrun: the five arguments, in this order": [
             "test_slurm_environments_become_torchrun_arguments"],
@@ -145,6 +160,8 @@ CLAUSES = {
             "test_a_bare_gpus_per_node_count_is_the_gpu_count"],
         "SLURM_NNODES and SLURM_NODELIST are older names of the same two": [
             "test_slurm_environments_become_torchrun_arguments"],
+        "the older name is read when the new one is not set or empty; both set: the new wins": [
+            "test_the_new_name_of_a_variable_wins_over_the_old"],
         "a variable missing: ValueError naming it": [
             "test_a_broken_slurm_environment_names_the_variable"],
         "a node count that is not the node list's length: ValueError naming it": [
@@ -157,6 +174,8 @@ CLAUSES = {
             "test_a_broken_slurm_environment_names_the_variable",
             "test_slurm_environments_become_torchrun_arguments"],
         "SLURM_NTASKS_PER_NODE checked too": [
+            "test_a_broken_slurm_environment_names_the_variable"],
+        "a tasks-per-node value not in that form: ValueError naming it": [
             "test_a_broken_slurm_environment_names_the_variable"],
     },
     "task9_3": {
@@ -332,6 +351,32 @@ def test_the_sampler_resumes_an_epoch_where_it_stopped(ex):
         for bad in (-1, 12):
             with pytest.raises(ValueError, match=str(bad)):
                 sampler.set_epoch(2, bad)
+
+
+@pytest.mark.task9_1
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_sampler_never_given_set_epoch_is_the_parents_epoch_0(ex, shuffle):
+    """A loop that starts without set_epoch (a first run, an evaluation pass) gets the parent's
+    epoch 0, whole."""
+    data = list(range(22))
+    for rank in (0, 1):
+        options = dict(num_replicas=2, rank=rank, shuffle=shuffle, seed=3)
+        whole = list(DistributedSampler(data, **options))
+        sampler = ex.ResumableSampler(data, **options)
+        try:
+            got, size = list(sampler), len(sampler)
+        except NotImplementedError:
+            raise
+        except Exception as error:  # noqa: BLE001 - reported to the learner
+            raise AssertionError(
+                f"rank {rank}: iterating a ResumableSampler on which set_epoch was never called "
+                f"raised {type(error).__name__}: {error}. Give it a start of 0 when it is made "
+                f"(in __init__), not only in set_epoch") from None
+        assert got == whole, (
+            f"rank {rank}, shuffle={shuffle}, no set_epoch: yielded {got}, expected the "
+            f"parent's whole epoch 0 {whole}: a new sampler starts at the beginning")
+        assert size == len(whole), (
+            f"rank {rank}, no set_epoch: len() is {size}, expected the whole share {len(whole)}")
 
 
 @pytest.mark.task9_1
@@ -626,6 +671,70 @@ def test_a_save_reaches_the_disk_before_and_after_its_rename(ex, tmp_path):
         f"power. sync_to_disk(path.parent) last")
 
 
+def save_leftover_on_rank(ctx, ex_path: str, folder: str, scenario: str) -> dict:
+    """``scenario`` "str": save step 1 given its path as a str. "old": save step 2, leave
+    ``step-00000002.old/`` beside it (a crash between renaming the old copy aside and removing
+    it), then save step 2 again over both."""
+    from harness.exercises import load_path
+
+    ex = load_path(ex_path)
+    run = Run(ex, global_seed=5)
+    run.train(1)
+    path = Path(folder) / ("step-00000001" if scenario == "str" else "step-00000002")
+    if scenario == "old":
+        run.save(ex, path)
+        shutil.copytree(path, path.with_name(path.name + ".old"))
+        run.train(1)
+    try:
+        ex.save_training_state(str(path) if scenario == "str" else path, run.model,
+                               run.optimizer, run.scheduler, run.scaler, run.position)
+        outcome = None
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported to the learner
+        outcome = f"{type(error).__name__}: {error}"
+    fresh = Run(ex, global_seed=6)
+    try:
+        fresh.load(ex, path)
+        loaded = fresh.position["step"]
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported to the learner
+        loaded = f"{type(error).__name__}: {error}"
+    return {"outcome": outcome, "loaded": loaded, "steps": run.position["step"],
+            "left": sorted(p.name for p in Path(folder).iterdir())}
+
+
+@pytest.mark.task9_1
+def test_a_save_takes_its_path_as_a_str_too(ex, tmp_path):
+    raise_if_untouched(ex.save_training_state, ex.load_training_state)
+    got = run_on_ranks(save_leftover_on_rank, str(ex.__file__), str(tmp_path), "str",
+                       world_size=1)[0]
+    assert got["outcome"] is None, (
+        f"save_training_state given its path as a str failed: {got['outcome']}. The path may "
+        f"be a str or a Path: make it a Path first (Path(path))")
+    assert got["loaded"] == got["steps"] and got["left"] == ["step-00000001"], (
+        f"after a save to a str path the folder holds {got['left']} and step-00000001 loads as "
+        f"{got['loaded']!r}; expected step-00000001 alone, at step {got['steps']}")
+
+
+@pytest.mark.task9_1
+def test_a_save_removes_the_old_copy_a_crash_left_aside(ex, tmp_path):
+    raise_if_untouched(ex.save_training_state, ex.load_training_state)
+    got = run_on_ranks(save_leftover_on_rank, str(ex.__file__), str(tmp_path), "old",
+                       world_size=1)[0]
+    assert got["outcome"] is None, (
+        f"saving step-00000002 again, where a crash had left step-00000002.old beside it "
+        f"(between renaming the old copy aside and removing it), failed: {got['outcome']}. "
+        f"os.replace cannot rename onto a directory that is not empty: remove a leftover "
+        f"<path>.old before renaming the old copy aside to it")
+    assert got["loaded"] == got["steps"], (
+        f"after saving over step-00000002, it loads as {got['loaded']!r}; the run was at step "
+        f"{got['steps']}: the new checkpoint must replace the old one")
+    assert got["left"] == ["step-00000002"], (
+        f"after the save, the folder holds {got['left']}: the old copy set aside (and the one "
+        f"a crash left there) must be gone")
+
 
 SAVED_AT = {"epoch": 1, "start": 8, "step": 3}  # a position the tests can tell from the default
 
@@ -794,11 +903,65 @@ def test_any_compressed_node_list_expands_to_its_hosts(ex, hosts):
         "brackets, in order; a range keeps its first number's width)")
 
 
+# A node list SLURM never writes -> what is wrong with it, in a learner's words.
+BAD_NODELISTS = {
+    "": "an empty node list",
+    "  ": "a blank node list",
+    "node[3-1]": "a range that runs backwards",
+    "a,,b": "an empty host between two commas",
+    "node[1-2],": "a trailing comma (an empty host after it)",
+    "node[a-3]": "a bracket of letters, not numbers",
+    "node[]": "an empty bracket",
+    "node[+1]": "a number with a sign (not plain digits; int() alone takes it)",
+    "node[1-+3]": "a range's end with a sign (not plain digits; int() alone takes it)",
+    "node[ 1]": "a space in a bracket (not plain digits; int() alone takes it)",
+}
+# Brackets that do not pair up: refused, and said to be the brackets' fault.
+UNPAIRED_BRACKETS = {
+    "node[01-02": "an unclosed bracket",
+    "a[1-2],b[3": "a bracket unclosed at the end",
+    "node]1[": "a ']' before its '['",
+    "]a[1]": "a ']' before any '['",
+    "node[1-2]]": "a second ']'",
+    "node[[1-2]]": "nested brackets",
+    "a[1,[2]]": "a bracket inside a bracket",
+}
+
+
 @pytest.mark.task9_2
-@pytest.mark.parametrize("nodelist", ["", "node[01-02", "node[3-1]", "node]1["])
+@pytest.mark.parametrize("nodelist", {**BAD_NODELISTS, **UNPAIRED_BRACKETS})
 def test_bad_node_lists_are_refused(ex, nodelist):
-    with pytest.raises(ValueError):
+    what = {**BAD_NODELISTS, **UNPAIRED_BRACKETS}[nodelist]
+    try:
+        got = ex.expand_nodelist(nodelist)
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the wrong kind of error is the finding
+        raise AssertionError(
+            f"expand_nodelist({nodelist!r}), {what}: raised {type(error).__name__}: {error}; "
+            f"expected ValueError") from None
+    raise AssertionError(f"expand_nodelist({nodelist!r}), {what}: returned {got}; it must "
+                         f"raise ValueError")
+
+
+@pytest.mark.task9_2
+@pytest.mark.parametrize("nodelist", UNPAIRED_BRACKETS)
+def test_brackets_that_do_not_pair_up_are_reported_as_such(ex, nodelist):
+    try:
         ex.expand_nodelist(nodelist)
+    except ValueError as error:
+        caught = error
+    else:
+        caught = None
+    assert caught is not None, (
+        f"expand_nodelist({nodelist!r}), {UNPAIRED_BRACKETS[nodelist]}: no ValueError")
+    assert "bracket" in str(caught).lower(), (
+        f"expand_nodelist({nodelist!r}), {UNPAIRED_BRACKETS[nodelist]}: the ValueError says "
+        f"{str(caught)!r}. Say that the brackets do not pair up (the word 'bracket'): count "
+        f"them as you go, a ']' with no '[' open or a '[' inside one is the fault, not a range "
+        f"or a host it leaves behind")
 
 
 def expected_args(nodes: int, nproc: int, job: int, endpoint: str) -> list[str]:
@@ -879,13 +1042,47 @@ def test_a_bare_gpus_per_node_count_is_the_gpu_count(ex):
         f"GPU count is the number at the end of it, 4")
 
 
+# Both names of a variable set, or the new one empty -> the arguments (SLURM sets both, equal).
+BOTH_NAMES = {
+    "SLURM_JOB_NODELIST and SLURM_NODELIST both set: the new name wins": (
+        {**JOB, "SLURM_NODELIST": "old[1-2]"}, expected_args(2, 4, 4242, "node01:24242")),
+    "SLURM_JOB_NUM_NODES and SLURM_NNODES both set: the new name wins": (
+        {**JOB, "SLURM_NNODES": "3"}, expected_args(2, 4, 4242, "node01:24242")),
+    "SLURM_JOB_NODELIST empty: SLURM_NODELIST is read": (
+        {**JOB, "SLURM_JOB_NODELIST": "", "SLURM_NODELIST": "gpu[3-4]"},
+        expected_args(2, 4, 4242, "gpu3:24242")),
+    "SLURM_JOB_NUM_NODES empty: SLURM_NNODES is read": (
+        {**JOB, "SLURM_JOB_NUM_NODES": "", "SLURM_NNODES": "2"},
+        expected_args(2, 4, 4242, "node01:24242")),
+}
+
+
+@pytest.mark.task9_2
+@pytest.mark.parametrize("case", BOTH_NAMES)
+def test_the_new_name_of_a_variable_wins_over_the_old(ex, case):
+    env, want = BOTH_NAMES[case]
+    try:
+        got = ex.slurm_to_torchrun(env)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported to the learner
+        got = f"{type(error).__name__}: {error}"
+    assert got == want, (
+        f"{case}: slurm_to_torchrun gave {got}, expected {want}. Read SLURM_JOB_NODELIST and "
+        f"SLURM_JOB_NUM_NODES first; the older SLURM_NODELIST and SLURM_NNODES only when the "
+        f"new name is not set or empty")
+
+
 def test_slurm_args_py_follows_the_same_table(outside_launcher, capsys):
     """The script the batch file runs carries its own copy of the mapping (it must run on a
     cluster's node alone): the same table grades it, and its errors end in a clear exit."""
     script = load_lesson_module(LESSON, "slurm_args")
     for nodelist, hosts in NODELISTS.items():
         assert script.expand_nodelist(nodelist) == hosts, nodelist
-    for case, (env, want) in ENVIRONMENTS.items():
+    for nodelist in {**BAD_NODELISTS, **UNPAIRED_BRACKETS}:
+        with pytest.raises(ValueError, match="bracket" if nodelist in UNPAIRED_BRACKETS else None):
+            script.expand_nodelist(nodelist)
+    for case, (env, want) in {**ENVIRONMENTS, **BOTH_NAMES}.items():
         assert script.slurm_to_torchrun(env) == want, case
     for variable, env in BAD_ENVIRONMENTS.values():
         with pytest.raises(ValueError, match=variable):
@@ -909,6 +1106,10 @@ BAD_ENVIRONMENTS = {
                                            {**WITHOUT_NTASKS, "SLURM_TASKS_PER_NODE": "2(x2)"}),
     "one node of the two with two tasks": ("SLURM_TASKS_PER_NODE",
                                            {**WITHOUT_NTASKS, "SLURM_TASKS_PER_NODE": "1,2"}),
+    "SLURM_TASKS_PER_NODE not in SLURM's form": (
+        "SLURM_TASKS_PER_NODE", {**WITHOUT_NTASKS, "SLURM_TASKS_PER_NODE": "1(x2"}),
+    "SLURM_NTASKS_PER_NODE not a count": ("SLURM_NTASKS_PER_NODE",
+                                          {**JOB, "SLURM_NTASKS_PER_NODE": "one"}),
     "no GPU count": ("SLURM_GPUS_ON_NODE",
                      {k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"}),
     "no job id": ("SLURM_JOB_ID", {k: v for k, v in JOB.items() if k != "SLURM_JOB_ID"}),

@@ -3,9 +3,11 @@
 A lesson's script keeps what its lesson changes (how the processes start, how the model is
 wrapped or split, the training loop); what every run needs the same way lives here, once, so
 that the diff between two steps of the chain is the lesson and nothing else. Lesson 00 explains
-each piece; a script imports the ones it uses::
+each piece (lesson 03, ``setup``). A script imports the module and calls it by name, so that a
+reader sees at a glance which lines are shared::
 
-    from gpt.run import choose_device, evaluate, sync  # ...
+    from gpt import GPT, GPTConfig, run
+    device = run.choose_device(args.device)
 
 - The device: :func:`choose_device` (lesson 00's task0_1, whose reference answer is kept
   identical to it) and :func:`sync`, which waits for a GPU's queued work before a clock is read.
@@ -52,7 +54,8 @@ def choose_device(requested: str | None = None) -> torch.device:
     - ``"cpu"``: the CPU;
     - ``"cuda"`` or ``"cuda:N"``: that device; but raise ``ValueError`` when CUDA is not
       available (with a message that names ``'cpu'`` as the way out), or when N is not below
-      ``torch.cuda.device_count()``;
+      ``count = torch.cuda.device_count()`` (with a message that gives the valid range,
+      ``cuda:0`` to ``cuda:<count - 1>``, and names no other index above it but N);
     - anything else (``"gpu"``, ``"tpu"``, ``""``, ``"cuda:x"``): ``ValueError``.
 
     Ask ``torch.cuda.is_available()`` / ``torch.cuda.device_count()`` when called: the test

@@ -270,7 +270,8 @@ def shard_model(model: nn.Module, reshard_after_forward: bool = True, mp_policy=
     1. Check that it is the same on every rank: the names and shapes of its parameters,
        compared with ``dist.all_gather_object``. A rank holding another model would post other
        collectives and hang; raise ``ValueError`` naming the first rank that differs from rank 0
-       and the first parameter where it differs.
+       and the first parameter where it differs (where one rank's parameters are the other's
+       with more after them: both ranks' numbers of parameters).
     2. A mesh over all ranks: ``init_device_mesh(<the parameters' device type>, (world_size,))``.
     3. ``fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
        mp_policy=policy)`` for each block, first, with ``policy`` the ``mp_policy`` given, or
@@ -290,7 +291,7 @@ def shard_model(model: nn.Module, reshard_after_forward: bool = True, mp_policy=
     rank holds at the end of the forward with ``reshard_after_forward`` True and False; trains
     2 and 3 accumulated backwards per step (``set_requires_gradient_sync(False)`` on all but the
     last) against DDP under ``no_sync``; and gives one rank a model with another block, then one
-    wider.
+    wider, then one with a layer more after the head.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
