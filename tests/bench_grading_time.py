@@ -25,8 +25,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons"))
-from harness.exercises import REPO_ROOT, lesson_names  # noqa: E402
-from harness.selfcheck import tasks_of  # noqa: E402
+from harness.exercises import (  # noqa: E402
+    REPO_ROOT,
+    lesson_names,
+    tasks_of,  # noqa: E402
+)
 
 LESSON_TARGET = 30.0  # s: pytest lessons/NN in learner mode
 TASK_TARGET = 10.0  # s: one solved task's tests

@@ -40,9 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons"))
 
-from harness.course import COURSE  # noqa: E402
+from course.manifest import COURSE  # noqa: E402
+from course.selfcheck import processes_under, run_lesson_tests, scratch_course  # noqa: E402
 from harness.exercises import SOLUTIONS_DIR  # noqa: E402
-from harness.selfcheck import processes_under, run_lesson_tests, scratch_course  # noqa: E402
 
 EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.txt")
 RUN_TIMEOUT = 240.0
@@ -169,7 +169,7 @@ def listed() -> dict[str, tuple[str, str]]:
 
 
 def _graded_source(mutant: Mutant) -> str:
-    from harness.selfcheck import with_wrong_answer
+    from course.selfcheck import with_wrong_answer
 
     solution = (SOLUTIONS_DIR / mutant.lesson / "exercises.py").read_text()
     return with_wrong_answer(solution, mutant.source)

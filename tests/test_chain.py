@@ -1,6 +1,6 @@
 """The chain of scripts: each step is its predecessor plus only what its lesson teaches.
 
-The manifest (lessons/harness/course.py) names each step's predecessor; lessons/harness/chain.py
+The manifest (tests/course/manifest.py) names each step's predecessor; tests/course/chain.py
 computes the diffs. These checks keep the chain honest: the README shows the diff as the files
 have it now, no step changes more than the limit, the running example is defined once (in
 lessons/gpt) and imported by every step, and a name means one thing within a lesson.
@@ -15,8 +15,8 @@ from pathlib import Path
 import gpt
 import pytest
 
-from harness import chain
-from harness.course import COURSE
+from course import chain
+from course.manifest import COURSE
 
 STEPS = chain.steps()
 LESSONS_DIR = chain.LESSONS_DIR
@@ -59,7 +59,7 @@ def test_a_step_changes_at_most_the_limit(step):
         f"{step.name} changes {counts.changed} lines of {step.script.builds_on} "
         f"(+{counts.added} -{counts.removed}); it may change {step.limit}: move what is not "
         "this lesson's point into lessons/gpt/run.py, or give the step its own limit in "
-        "lessons/harness/course.py with the reason")
+        "tests/course/manifest.py with the reason")
 
 
 def test_the_count_sees_every_kind_of_change(tmp_path, monkeypatch):
@@ -125,13 +125,14 @@ def test_a_step_is_short_enough_to_read_in_one_sitting(path):
     assert lines <= LIMITS[path], (
         f"{path.relative_to(LESSONS_DIR)} has {lines} lines, over {LIMITS[path]}: move what its "
         "lesson does not teach into lessons/gpt/run.py, or give the step its own limit in "
-        "lessons/harness/course.py with the reason")
+        "tests/course/manifest.py with the reason")
 
 
 def test_a_step_with_its_own_limit_says_why():
     """A limit of its own is above the course's and has its reason beside it in the manifest:
     a comment naming the number, in the lines just above the step's entry."""
-    source = (LESSONS_DIR / "harness" / "course.py").read_text(encoding="utf-8").splitlines()
+    manifest = Path(__file__).parent / "course" / "manifest.py"
+    source = manifest.read_text(encoding="utf-8").splitlines()
     for step in STEPS:
         own = [(step.script.max_changed, chain.MAX_CHANGED_LINES, "changed"),
                (step.script.max_lines, chain.MAX_SCRIPT_LINES, "lines")]
@@ -145,7 +146,7 @@ def test_a_step_with_its_own_limit_says_why():
                 f"{step.name}: max_{what}={limit} is not above the course's {course_limit}")
             assert re.search(rf"\b{limit}\b", comments), (
                 f"{step.name} may have {limit} {what}: say why in a comment naming {limit} just "
-                "above its entry in lessons/harness/course.py")
+                "above its entry in tests/course/manifest.py")
 
 
 def _plumbing() -> set[str]:

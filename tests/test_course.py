@@ -13,25 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from harness.course import COURSE
-from harness.course import lesson as course_lesson
+from course.manifest import COURSE
+from course.manifest import lesson as course_lesson
+from course.selfcheck import (
+    RUN_TIMEOUT,
+    run_lesson_tests,
+    whole_course_outcomes,
+)
 from harness.exercises import (
     LESSONS_DIR,
     REPO_ROOT,
     SOLUTIONS_DIR,
     TASK_ID,
+    exercise_files,
     lesson_names,
     load_path,
     stub_message,
+    tasks_of,
 )
 from harness.grading import HARDWARE_SKIP_PREFIX
-from harness.selfcheck import (
-    RUN_TIMEOUT,
-    exercise_files,
-    run_lesson_tests,
-    tasks_of,
-    whole_course_outcomes,
-)
 
 LESSONS = lesson_names()
 
@@ -42,7 +42,7 @@ def test_there_are_lessons():
 
 def test_the_manifest_lists_every_lesson_in_order():
     assert [entry.folder for entry in COURSE] == LESSONS, (
-        "lessons/harness/course.py must list every lesson folder, in order")
+        "tests/course/manifest.py must list every lesson folder, in order")
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
@@ -59,7 +59,7 @@ def test_lesson_is_complete(lesson):
         assert (SOLUTIONS_DIR / lesson / name).is_file(), f"solutions/{lesson}/{name} is missing"
     tasks = tasks_of(lesson)
     assert tasks == list(entry.tasks), (
-        f"the stubs raise {tasks}; the manifest (harness/course.py) lists {list(entry.tasks)}")
+        f"the stubs raise {tasks}; tests/course/manifest.py lists {list(entry.tasks)}")
     assert all(t.startswith(f"task{entry.number}_") for t in tasks), tasks
     readme = (folder / "README.md").read_text()
     tests = (folder / f"test_{lesson}.py").read_text()

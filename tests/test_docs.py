@@ -191,7 +191,7 @@ def collected(lesson: str, marks: str) -> int:
 def test_lesson_00_shows_the_progress_table_a_fresh_clone_prints():
     """"lesson checks: N passed, M skipped" on a machine without a GPU: the lesson's tests of no
     task, those that need a GPU skipped."""
-    from harness.selfcheck import tasks_of
+    from harness.exercises import tasks_of
 
     untasked = " and ".join(f"not {task}" for task in tasks_of("00_single_gpu"))
     passed = collected("00_single_gpu", f"not gpu and {untasked}")

@@ -22,14 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from harness.course import COURSE, Script
+from course.manifest import COURSE, Script
 from harness.exercises import REPO_ROOT
 from harness.launch import recorded_launches, start_script
 
 COURSE_FILES = sorted(p for folder in ("lessons", "solutions", "tests")
                       for p in (REPO_ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
-FIRST_PARTY = ({p.name for p in (REPO_ROOT / "lessons").iterdir() if (p / "__init__.py").is_file()}
-               | {p.stem for p in COURSE_FILES})  # harness, gpt, and the course's own files
+FIRST_PARTY = ({p.name for folder in ("lessons", "tests") for p in (REPO_ROOT / folder).iterdir()
+                if (p / "__init__.py").is_file()}  # harness, gpt, course
+               | {f"lesson{p.name[:2]}" for p in (REPO_ROOT / "lessons").glob("[0-9][0-9]_*")}
+               | {p.stem for p in COURSE_FILES})  # and the course's own files
 # Imported only on request, with a clear message when missing; not needed to learn or grade.
 OPTIONAL = {"matplotlib": "pipeline_sweep.py --plot (the script says how to install it)"}
 
@@ -124,10 +126,13 @@ def test_every_module_imports_in_a_fresh_process():
 
 def test_the_manifest_lists_every_lesson_script():
     lessons = REPO_ROOT / "lessons"
+    modules = {f"{entry.folder}/{name}" for entry in COURSE for name in entry.modules}
     scripts = {str(p.relative_to(lessons)) for p in lessons.glob("[0-9][0-9]_*/**/*.py")
-               if not p.name.startswith(("test_", "exercises")) and p.name != "walkthrough.py"}
+               if not p.name.startswith(("test_", "exercises"))
+               and p.name not in ("walkthrough.py", "conftest.py")
+               and str(p.relative_to(lessons)) not in modules}
     assert scripts == set(SCRIPT_RUNS), (
-        f"add to the manifest (harness/course.py): {sorted(scripts - set(SCRIPT_RUNS))}; "
+        f"add to the manifest (tests/course/manifest.py): {sorted(scripts - set(SCRIPT_RUNS))}; "
         f"gone: {sorted(set(SCRIPT_RUNS) - scripts)}")
 
 

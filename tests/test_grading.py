@@ -64,7 +64,8 @@ def demo(tmp_path_factory):
 
 
 def run_pytest(root, *args, **env):
-    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lessons"), **env}
+    path = os.pathsep.join(str(REPO_ROOT / folder) for folder in ("lessons", "tests"))
+    environment = {**os.environ, "PYTHONPATH": path, **env}
     for name in ("COURSE_STRICT", "COURSE_SOLUTIONS"):
         if name not in env:
             environment.pop(name, None)
@@ -137,7 +138,7 @@ def test_in_ci_solutions_leave_out_the_lesson_checks_the_learner_run_passed(tmp_
     reports.mkdir()
     learner = run_pytest(demo, f"--junitxml={reports / 'learner.xml'}")
     assert "1 failed" in learner.stdout, learner.stdout
-    ci = ("-p", "harness.ci_grading")  # only .ci/run loads the shortcut
+    ci = ("-p", "course.ci_grading")  # only .ci/run loads the shortcut
     run = run_pytest(demo, "--solutions", *ci, "-m", "not task9_1 and not task9_4",
                      COURSE_CI_REPORTS=str(reports))
     assert "course: 1 lesson checks (tests of no task) passed in this CI run's learner run" in (

@@ -16,10 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import forkserver, ranks
+from course import forkserver
+from harness import ranks
 from harness.exercises import REPO_ROOT, solutions_mode
 from harness.launch import LaunchError, run_script, start_script
-from harness.pipeline import (
+from harness.processes import command_line, live_processes
+from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
+from lesson07.simulator import (
     Deadlock,
     Op,
     OrderMismatch,
@@ -30,8 +33,6 @@ from harness.pipeline import (
     reference_schedule,
     simulate,
 )
-from harness.processes import command_line, live_processes
-from harness.ranks import NotAttemptedOnRank, RankError, RankPool, RankTimeout, run_on_ranks
 
 PROBE = Path(__file__).with_name("probes") / "launch_probe.py"
 
@@ -78,7 +79,7 @@ def graded_mode(ctx):
 def _children() -> set[int]:
     """PIDs of this process's live children: zombies, multiprocessing's resource tracker
     (started once by the first spawn, lives as long as this process) and the pytest fork
-    servers of harness.forkserver (the same) excluded."""
+    servers of course.forkserver (the same) excluded."""
     mine = {pid for pid, (parent, state) in live_processes().items()
             if parent == os.getpid() and state != "Z"
             and "resource_tracker" not in command_line(pid)}
@@ -298,7 +299,7 @@ def test_a_shell_script_finds_this_interpreters_torchrun_and_python_unactivated(
 
 
 def test_a_wrong_answer_replaces_functions_and_only_the_methods_it_defines():
-    from harness.selfcheck import with_wrong_answer
+    from course.selfcheck import with_wrong_answer
 
     solution = textwrap.dedent('''
         import os
@@ -344,7 +345,7 @@ def test_a_wrong_answer_replaces_functions_and_only_the_methods_it_defines():
 
 
 # --------------------------------------------------------------------------------------------
-# harness.forkserver: graded runs forked from a server that has imported torch once.
+# course.forkserver: graded runs forked from a server that has imported torch once.
 
 
 def _pytest_folder(tmp_path: Path, test_source: str) -> Path:
@@ -660,18 +661,19 @@ def test_pipeline_timeline_draws_every_action():
 
 
 def test_pipeline_pictures_in_the_docs_are_current():
-    from harness import pipeline
+    from lesson07 import simulator
 
-    assert pipeline.main(["--check"]) == 0, (
-        "docs/assets/pipeline/ is stale: run `python lessons/harness/pipeline.py --write`")
+    assert simulator.main(["--check"]) == 0, (
+        "docs/assets/pipeline/ is stale: "
+        "run `python lessons/07_pipeline_parallel/simulator.py --write`")
 
 
 def test_pipeline_picture_check_can_fail(tmp_path, monkeypatch):
-    from harness import pipeline
+    from lesson07 import simulator
 
-    monkeypatch.setattr(pipeline, "PICTURES_DIR", tmp_path)
-    assert pipeline.main(["--check"]) == 1  # nothing drawn there yet
-    pipeline.main(["--write"])
-    assert pipeline.main(["--check"]) == 0
+    monkeypatch.setattr(simulator, "PICTURES_DIR", tmp_path)
+    assert simulator.main(["--check"]) == 1  # nothing drawn there yet
+    simulator.main(["--write"])
+    assert simulator.main(["--check"]) == 0
     (tmp_path / "gpipe.svg").write_text("<svg/>")
-    assert pipeline.main(["--check"]) == 1
+    assert simulator.main(["--check"]) == 1

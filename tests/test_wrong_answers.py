@@ -27,15 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.course import lesson as course_lesson
-from harness.exercises import LESSONS_DIR, SOLUTIONS_DIR, lesson_names
-from harness.selfcheck import (
+from course.manifest import lesson as course_lesson
+from course.selfcheck import (
     processes_under,
     run_lesson_tests,
     scratch_course,
-    tasks_of,
     with_wrong_answer,
 )
+from harness.exercises import LESSONS_DIR, SOLUTIONS_DIR, lesson_names, tasks_of
 
 WRONG_ANSWERS_DIR = Path(__file__).parent / "wrong_answers"
 WRONG_ANSWERS = sorted(WRONG_ANSWERS_DIR.glob("*/task*.py"))

@@ -521,7 +521,7 @@ def test_setup_refuses_nccl_without_enough_gpus(ex, monkeypatch, gpus):
         f"torch.cuda.set_device itself fails, with a less helpful error)")
 
 
-CHECK_INIT = "lessons/harness/check_setup.py"  # runs setup under torchrun
+CHECK_INIT = "lessons/03_ddp/check_setup.py"  # runs setup under torchrun
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def schedule(kind: str, num_stages: int, num_micro_batches: int) -> list[list[tu
     Each stage runs each micro-batch's forward and backward exactly once. An unknown ``kind``,
     fewer than 1 stage or fewer than 1 micro-batch raise ``ValueError``.
 
-    The test runs your schedules in the lesson's simulator (``harness/pipeline.py``): no
+    The test runs your schedules in the lesson's simulator (``simulator.py``): no
     deadlock, the bubble (p - 1) / (m + p - 1), and at most m activations in flight per stage
     for GPipe, p - s for 1F1B.
     """

@@ -2,7 +2,7 @@
 torch.distributed.pipelining.
 
 What the lesson rests on, checked on gloo/CPU ranks (and on CUDA where present):
-- a schedule is right when the lesson's simulator (``harness.pipeline``) runs it without a
+- a schedule is right when the lesson's simulator (``simulator.py``) runs it without a
   deadlock, with the bubble and the activations in flight the text gives;
 - every stage of a pipeline takes the steps the unsplit model takes on the whole batch;
 - a mismatched pair of schedules ends with an error naming the stage, not a hang;
@@ -37,7 +37,9 @@ from harness.compare import assert_close
 from harness.exercises import load_exercise, load_lesson_module, raise_if_untouched
 from harness.hardware import needs_gpus
 from harness.launch import one_process_fit, run_script, start_first, start_script
-from harness.pipeline import (
+from harness.ranks import RankError, get_pool, group_params, run_on_ranks
+from harness.sweep import st, sweep
+from lesson07.simulator import (
     Deadlock,
     Op,
     OrderMismatch,
@@ -47,8 +49,6 @@ from harness.pipeline import (
     reference_schedule,
     simulate,
 )
-from harness.ranks import RankError, get_pool, group_params, run_on_ranks
-from harness.sweep import st, sweep
 
 LESSON = "07_pipeline_parallel"
 SCRIPT = f"lessons/{LESSON}/train_pp.py"

@@ -29,10 +29,9 @@ import torch
 # Works from the repository root (as a script) and from this folder (as a notebook).
 HERE = (Path("lessons/07_pipeline_parallel") if Path("lessons/07_pipeline_parallel").is_dir()
         else Path("."))
-sys.path.insert(0, str(HERE.parent))  # lessons/, where gpt/ and harness/ live
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder (the simulator), lessons/ (gpt/)
 from gpt import GPT, SIZES, CharDataset, GPTConfig, GPTStage  # noqa: E402
-
-from harness.pipeline import Deadlock, reference_schedule, simulate  # noqa: E402
+from simulator import Deadlock, reference_schedule, simulate  # noqa: E402
 
 # %% [markdown]
 # ## 1. Stages: runs of blocks

@@ -27,8 +27,25 @@ STRICT_ENV = "COURSE_STRICT"
 
 # A stub raises NotImplementedError("task3_2: what to do"); the id is how tests are selected.
 TASK_ID = re.compile(r"\b(task\d+_\d+)\b")
+TASK_MARK = re.compile(r"^task\d+_\d+$")  # a test's marker: @pytest.mark.task3_2
+STUB_TASK = re.compile(r'NotImplementedError\(\s*f?["\'](task\d+_\d+):')
 
 _loaded: dict[Path, ModuleType] = {}
+
+
+def tasks_of(lesson: str) -> list[str]:
+    """Task ids, in order, from the stubs of a lesson's exercise files: the stubs are where a
+    task is defined (the course manifest, ``tests/course/manifest.py``, is checked against them)."""
+    found: list[str] = []
+    for path in sorted((LESSONS_DIR / lesson).glob("exercises*.py")):
+        for task in STUB_TASK.findall(path.read_text()):
+            if task not in found:
+                found.append(task)
+    return found
+
+
+def exercise_files(lesson: str) -> list[str]:
+    return sorted(p.name for p in (LESSONS_DIR / lesson).glob("exercises*.py"))
 
 
 def _flag(name: str) -> bool:

@@ -5,11 +5,11 @@
 - A test that reaches an untouched stub (``NotImplementedError("taskN_M: ...")``), in this process
   or inside a rank, is reported as skipped, "not attempted yet". ``COURSE_STRICT=1`` makes it fail.
 - Tests carry a task marker (``@pytest.mark.task3_2``) so one task can be run with ``-m task3_2``;
-  the markers are the tasks of the course manifest, ``harness/course.py``.
+  the markers are the task ids the lessons' stubs raise.
 - The run ends with a per-lesson progress table.
 
 CI's shortcut (``--solutions`` leaves out the lesson checks the same CI run's learner run passed)
-is another plugin, ``harness/ci_grading.py``, which only ``.ci/run`` loads.
+is another plugin, ``tests/course/ci_grading.py``, which only ``.ci/run`` loads.
 """
 
 from __future__ import annotations
@@ -20,12 +20,18 @@ from collections import defaultdict
 
 import pytest
 
-from harness.course import COURSE
-from harness.exercises import SOLUTIONS_ENV, solutions_mode, strict_mode, task_of
+from harness.exercises import (
+    SOLUTIONS_ENV,
+    TASK_MARK,
+    lesson_names,
+    solutions_mode,
+    strict_mode,
+    task_of,
+    tasks_of,
+)
 from harness.launch import outside_launcher  # noqa: F401 - a fixture for every lesson's tests
 
 LESSON_DIR = re.compile(r"(?:^|/)lessons/(\d\d_[^/]+)/")
-TASK_MARK = re.compile(r"^task\d+_\d+$")
 HARDWARE_SKIP_PREFIX = "needs "  # harness.hardware words every hardware skip this way
 
 
@@ -41,9 +47,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--solutions", default=False):
         os.environ[SOLUTIONS_ENV] = "1"
-    for lesson in COURSE:  # each task of the manifest (harness/course.py) is a marker
-        for task, graded in lesson.tasks.items():
-            config.addinivalue_line("markers", f"{task}: {lesson.folder}, grades {graded}")
+    for lesson in lesson_names():  # each task a stub raises is a marker
+        for task in tasks_of(lesson):
+            config.addinivalue_line("markers", f"{task}: a task of lessons/{lesson}")
     config.pluginmanager.register(ProgressReport(), "course-progress")
 
 

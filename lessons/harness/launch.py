@@ -102,6 +102,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+CI_REPORTS_ENV = "COURSE_CI_REPORTS"  # where .ci/run keeps the whole course's JUnit reports
 # In CI ($COURSE_CI_REPORTS set), every launch that ended leaves a line in this file there: the
 # integrity tests then know which lesson scripts the lesson tests already ran, and how it ended.
 LAUNCH_RECORD = "launches.jsonl"
@@ -109,8 +110,6 @@ LAUNCH_RECORD = "launches.jsonl"
 
 def _launch_record() -> Path | None:
     """This CI run's record of launches, or None outside CI."""
-    from harness.selfcheck import CI_REPORTS_ENV  # imported here: selfcheck imports much more
-
     folder = os.environ.get(CI_REPORTS_ENV)
     return Path(folder) / LAUNCH_RECORD if folder else None
 

@@ -22,12 +22,12 @@ class Script:
     nproc: int = 1
     smallest: tuple[str, ...] = ()  # arguments of its quickest complete run
     # A step of the chain: "<lesson folder>/<script>" this script is a copy of, changed only by
-    # what its lesson teaches. harness/chain.py shows the diff in the lesson's README.
+    # what its lesson teaches. tests/course/chain.py shows the diff in the lesson's README.
     builds_on: str | None = None
-    # A step may change harness/chain.py's MAX_CHANGED_LINES lines of the one it builds on; one
+    # A step may change chain.py's MAX_CHANGED_LINES lines of the one it builds on; one
     # whose lesson really needs more says how many here, and why in a comment beside it.
     max_changed: int | None = None
-    # A step may be harness/chain.py's MAX_SCRIPT_LINES long; one that carries more lessons than
+    # A step may be chain.py's MAX_SCRIPT_LINES long; one that carries more lessons than
     # that (the chain adds up: lesson 09's last step holds DDP, mixed precision, checkpoints and
     # restarts) says how long here, and why in a comment beside it.
     max_lines: int | None = None
@@ -41,6 +41,10 @@ class Lesson:
     # answer in solutions/<folder>/exercises.py, comma-separated when there are several
     tasks: dict[str, str]
     scripts: tuple[Script, ...]
+    # The lesson's other Python files, which are not scripts to run: what its tests share
+    # (imported as ``lessonNN.<name>``, see harness/__init__.py) and the tools its tests or its
+    # walkthrough use. Test files and conftest.py need no entry.
+    modules: tuple[str, ...] = ()
 
     @property
     def number(self) -> int:
@@ -84,7 +88,8 @@ COURSE: tuple[Lesson, ...] = (
            {"task3_1": "shard_indices", "task3_2": "setup", "task3_3": "average_gradients",
             "task3_4": "train_one_epoch", "task3_5": "GradientBuckets"},
            (Script("train_ddp.py", "torchrun", 2, QUICK, builds_on="00_single_gpu/train.py"),
-            Script("train_spawn.py", smallest=("--nprocs", "2", *QUICK)))),
+            Script("train_spawn.py", smallest=("--nprocs", "2", *QUICK))),
+           modules=("check_setup.py",)),  # its tests run setup() under torchrun
     Lesson("04_pitfalls", "Pitfalls and the doctor",
            {"task4_1": "exact_accuracy", "task4_2": "pick_device", "task4_3": "save_on_rank0",
             "task4_4": "train_with_join", "task4_5": "load_checkpoint",
@@ -116,7 +121,8 @@ COURSE: tuple[Lesson, ...] = (
            # 75 changed: the stage cut, the schedule, the weights shared back for evaluation and
            # the stages' busy clock are all this lesson's, and none fits into lesson 03's lines.
            (Script("train_pp.py", "torchrun", 2, (*QUICK, "--micro-batches", "2"),
-                   builds_on="03_ddp/train_ddp.py", max_changed=75),)),
+                   builds_on="03_ddp/train_ddp.py", max_changed=75),),
+           modules=("simulator.py",)),  # schedules on paper, for the tests and the walkthrough
     Lesson("08_measure_and_choose", "Measure and choose",
            {"task8_1": "bus_bandwidth, fit_alpha_beta",
             "task8_2": "predict_allreduce_seconds, ddp_buckets, predict_ddp_comm_seconds",
@@ -160,7 +166,7 @@ def lesson(folder: str) -> Lesson:
     for entry in COURSE:
         if entry.folder == folder:
             return entry
-    raise KeyError(f"lessons/{folder} is not in the course manifest (lessons/harness/course.py)")
+    raise KeyError(f"lessons/{folder} is not in the course manifest (tests/course/manifest.py)")
 
 
 def all_tasks() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Run a pipeline schedule on paper: when each stage computes what, the bubble, the memory.
 
-    from harness.pipeline import simulate
+    from simulator import simulate     # beside it; the tests: from lesson07.simulator import ...
 
     gpipe = [[("F", m) for m in range(4)] + [("B", m) for m in reversed(range(4))]] * 2
     timeline = simulate(gpipe, num_micro_batches=4)      # 2 stages, 4 micro-batches
@@ -27,11 +27,11 @@ ranks one post after another, a send complete only once its receive runs), else
 ``forward_time`` and a backward ``backward_time`` on every stage (even stages: the bubble
 formula's assumption).
 
-The lesson's graded ``schedule()`` is checked with this module, which the tests own. It also
+The lesson's graded ``schedule()`` is checked with this module; the walkthrough runs it. It also
 draws the lesson's pictures of the two schedules:
 
-    python lessons/harness/pipeline.py --write    # docs/assets/pipeline/*.svg, from the simulator
-    python lessons/harness/pipeline.py --check    # exit 1 when a picture is stale
+    python lessons/07_pipeline_parallel/simulator.py --write   # docs/assets/pipeline/*.svg
+    python lessons/07_pipeline_parallel/simulator.py --check   # exit 1 when one is stale
 """
 
 from __future__ import annotations
@@ -406,7 +406,8 @@ def main(argv=None) -> int:
         elif not path.is_file() or path.read_text(encoding="utf-8") != svg:
             stale.append(name)
     if args.check and stale:
-        print(f"stale pictures {stale}: run `python lessons/harness/pipeline.py --write`")
+        print(f"stale pictures {stale}: run "
+              "`python lessons/07_pipeline_parallel/simulator.py --write`")
         return 1
     return 0
 

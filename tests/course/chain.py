@@ -1,10 +1,10 @@
 """The chain of scripts: each lesson's main script is an earlier one plus what the lesson teaches.
 
-    python lessons/harness/chain.py            # the table: lines each step changes
-    python lessons/harness/chain.py --write    # regenerate the diffs shown in the READMEs
-    python lessons/harness/chain.py --check    # exit 1 when a README's diff is stale
+    python tests/course/chain.py            # the table: lines each step changes
+    python tests/course/chain.py --write    # regenerate the diffs shown in the READMEs
+    python tests/course/chain.py --check    # exit 1 when a README's diff is stale
 
-The course manifest (``harness/course.py``) names each step's predecessor (``builds_on``). Each
+The course manifest (``course/manifest.py``) names each step's predecessor (``builds_on``). Each
 step's README shows the unified diff from its predecessor between two markers; the diff is
 generated from the files, never typed, and ``tests/test_chain.py`` fails when it is stale, when a
 step changes more than ``MAX_CHANGED_LINES`` lines, or when a step redefines what the running
@@ -23,10 +23,11 @@ import re
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make `harness` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: make `course` and `harness` importable
+    ROOT = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "lessons")]
 
-from harness.course import COURSE, Lesson, Script  # noqa: E402
+from course.manifest import COURSE, Lesson, Script  # noqa: E402
 from harness.exercises import LESSONS_DIR  # noqa: E402
 
 MAX_CHANGED_LINES = 60
@@ -34,7 +35,7 @@ MAX_SCRIPT_LINES = 180  # a step, whole, is read in one sitting
 CONTEXT_LINES = 2
 
 BEGIN = ("<!-- chain-diff {step}: generated from the files by "
-         "`python lessons/harness/chain.py --write`; do not edit by hand -->")
+         "`python tests/course/chain.py --write`; do not edit by hand -->")
 END = "<!-- /chain-diff -->"
 _BLOCK = re.compile(r"<!-- chain-diff (?P<step>\S+): .*?-->\n(?P<body>.*?)<!-- /chain-diff -->",
                     re.DOTALL)
@@ -126,10 +127,10 @@ def stale(step: Step) -> str | None:
     if shown is None:
         return (f"lessons/{step.lesson.folder}/README.md shows no diff for {step.name}: add the "
                 f"line\n{BEGIN.format(step=step.name)}\n{END}\nwhere it belongs, then run "
-                "`python lessons/harness/chain.py --write`")
+                "`python tests/course/chain.py --write`")
     if shown != block(step):
         return (f"lessons/{step.lesson.folder}/README.md shows an old diff of {step.name}: run "
-                "`python lessons/harness/chain.py --write`")
+                "`python tests/course/chain.py --write`")
     return None
 
 

@@ -1,7 +1,7 @@
-"""Runs lesson 03's ``setup`` (task3_2) the way its tests need it; not lesson material.
+"""Runs lesson 03's ``setup`` (task3_2) under a real launcher, for the lesson's tests.
 
-    torchrun --standalone --nproc-per-node=2 lessons/harness/check_setup.py
-    python lessons/harness/check_setup.py --bad-environments
+    torchrun --standalone --nproc-per-node=2 lessons/03_ddp/check_setup.py
+    python lessons/03_ddp/check_setup.py --bad-environments
 
 Under torchrun every rank calls ``setup()``, checks the group with an all-reduce, and
 rank 0 reports what every rank returned. With ``--bad-environments`` it tries environments a

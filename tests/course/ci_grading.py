@@ -1,4 +1,4 @@
-"""CI's shortcut, a pytest plugin that only ``.ci/run`` loads (``pytest -p harness.ci_grading``).
+"""CI's shortcut, a pytest plugin that only ``.ci/run`` loads (``pytest -p course.ci_grading``).
 
 ``.ci/run`` grades the course twice, learner mode then ``--solutions``. A lesson check (a test
 of no task) runs the same code in both unless it reaches the exercises, so with ``--solutions``
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.exercises import solutions_mode
-from harness.grading import TASK_MARK
+from harness.exercises import TASK_MARK, solutions_mode
 
 ALREADY_PASSED = pytest.StashKey[int]()  # lesson checks --solutions left out in CI
 
@@ -53,7 +52,8 @@ def pytest_collection_modifyitems(config, items):
     run's learner run ($COURSE_CI_REPORTS/learner.xml) is not run again, unless it reaches the
     exercises (the ``ex`` fixture, or ``load_exercise`` through the module's functions). It
     would run the same code a second time: mostly torchrun launches."""
-    from harness.selfcheck import CI_REPORTS_ENV, read_report
+    from course.selfcheck import read_report
+    from harness.launch import CI_REPORTS_ENV
 
     learner = Path(os.environ.get(CI_REPORTS_ENV, "")) / "learner.xml"
     if not (solutions_mode() and os.environ.get(CI_REPORTS_ENV) and learner.is_file()):

@@ -2,7 +2,7 @@
 
 - :func:`run_lesson_tests` runs one lesson's tests in a fresh ``pytest`` process (so the graded
   mode is clean each time; forked from a server that has imported torch already, see
-  ``harness/forkserver.py``) and returns each test's outcome and message;
+  ``tests/course/forkserver.py``) and returns each test's outcome and message;
   :func:`whole_course_outcomes` reads them from the reports CI has just written instead.
 - :func:`scratch_course` copies the course into a temporary folder, where an exercise file can be
   replaced without touching the real one.
@@ -14,34 +14,18 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness import forkserver
-from harness.exercises import LESSONS_DIR, REPO_ROOT
+from course import forkserver
+from harness.exercises import REPO_ROOT
+from harness.launch import CI_REPORTS_ENV
 from harness.processes import command_line, live_processes, working_directory
 
-STUB_TASK = re.compile(r'NotImplementedError\(\s*f?["\'](task\d+_\d+):')
 RUN_TIMEOUT = 300.0  # seconds for one lesson's tests; the pytest-timeout inside is shorter
-CI_REPORTS_ENV = "COURSE_CI_REPORTS"  # where .ci/run keeps the whole course's JUnit reports
-
-
-def tasks_of(lesson: str) -> list[str]:
-    """Task ids, in order, from the stubs of a lesson's exercise files."""
-    found: list[str] = []
-    for path in sorted((LESSONS_DIR / lesson).glob("exercises*.py")):
-        for task in STUB_TASK.findall(path.read_text()):
-            if task not in found:
-                found.append(task)
-    return found
-
-
-def exercise_files(lesson: str) -> list[str]:
-    return sorted(p.name for p in (LESSONS_DIR / lesson).glob("exercises*.py"))
 
 
 def read_report(report: Path, lesson: str | None = None) -> dict[str, tuple[str, str]]:
