@@ -5,7 +5,7 @@
 - A test that reaches an untouched stub (``NotImplementedError("taskN_M: ...")``), in this process
   or inside a rank, is reported as skipped, "not attempted yet". ``COURSE_STRICT=1`` makes it fail.
 - Tests carry a task marker (``@pytest.mark.task3_2``) so one task can be run with ``-m task3_2``;
-  the markers are the task ids the lessons' stubs raise.
+  a marker is registered for each task id a lesson's test files mark (the ids the stubs raise).
 - The run ends with a per-lesson progress table.
 
 CI's shortcut (``--solutions`` leaves out the lesson checks the same CI run's learner run passed)

@@ -1,7 +1,6 @@
 """The course manifest: every lesson, its graded tasks and its scripts, in one place.
 
-The grading plugin registers a ``-m taskN_M`` marker for each task listed here, and the
-integrity tests (``tests/``) check each lesson against its entry: the stubs raise exactly these
+The integrity tests (``tests/``) check each lesson against its entry: the stubs raise exactly these
 task ids, the tests mark them, the README has a hint and a command for each, the docs page shows
 every script and every reference answer, the nav lists the page, and every script runs (at the
 size given here, unless a lesson test already ran it in the same CI run). Adding a lesson, a
