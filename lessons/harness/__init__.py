@@ -15,9 +15,8 @@
 - ``harness.processes``: the live processes under a folder, and the command lines of processes.
 
 Importing ``harness`` also makes each lesson folder importable by its number: ``lesson07`` is
-``lessons/07_pipeline_parallel``, so a lesson's test files share their own helpers
-(``from lesson05.common import make_gpt``) and a lesson's tool is imported by what it is
-(``from lesson07.simulator import simulate``), though the folders' names start with digits.
+``lessons/07_pipeline_parallel``, so a lesson's own tool or test helper is imported by what it
+is (``from lesson07.simulator import simulate``), though the folders' names start with digits.
 Never import a lesson's ``exercises`` this way: ``harness.exercises`` picks the graded copy.
 """
 
