@@ -62,7 +62,7 @@ def test_lesson_is_complete(lesson):
         f"the stubs raise {tasks}; tests/course/manifest.py lists {list(entry.tasks)}")
     assert all(t.startswith(f"task{entry.number}_") for t in tasks), tasks
     readme = (folder / "README.md").read_text()
-    tests = (folder / f"test_{lesson}.py").read_text()
+    tests = "".join(path.read_text() for path in sorted(folder.glob("test_*.py")))
     for task in tasks:
         assert re.search(rf"^### {task}: `", readme, re.M), (
             f"README has no heading for {task}: give it ### {task}: `function(args)`, then the "
@@ -103,14 +103,24 @@ def _public_api(path: Path) -> dict[str, str]:
 
 
 def clauses_of(lesson: str) -> tuple[dict | None, set[str]]:
-    """The lesson test file's CLAUSES (task -> {clause: [test names]}) and its test names."""
-    tree = ast.parse((LESSONS_DIR / lesson / f"test_{lesson}.py").read_text())
-    clauses = next((ast.literal_eval(node.value) for node in tree.body
-                    if isinstance(node, ast.Assign) and any(
-                        getattr(target, "id", None) == "CLAUSES" for target in node.targets)),
-                   None)
-    tests = {node.name for node in tree.body
-             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    """The CLAUSES (task -> {clause: [test names]}) of the lesson's test files, merged (each
+    task file lists its own tasks'), and the names of the tests those files define."""
+    clauses, tests = None, set()
+    for path in sorted((LESSONS_DIR / lesson).glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                    getattr(target, "id", None) == "CLAUSES" for target in node.targets):
+                mine = ast.literal_eval(node.value)
+                clauses = clauses or {}
+                twice = sorted(set(clauses) & set(mine))
+                assert not twice, f"lessons/{lesson}: CLAUSES of {twice} given twice ({path.name})"
+                clauses.update(mine)
+        mine = {node.name for node in tree.body
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+        assert not mine & tests, (f"lessons/{lesson}: {sorted(mine & tests)} defined in two test "
+                                  f"files; CLAUSES names tests by name, so each name once")
+        tests |= mine
     return clauses, tests
 
 
@@ -120,7 +130,7 @@ def test_every_task_lists_its_clauses_and_the_tests_that_hold_each(lesson):
     is broken: a clause nobody tests is a wrong answer that passes. A clause only a GPU can
     show says so ("not testable on CPU: why") instead of naming tests."""
     clauses, tests = clauses_of(lesson)
-    assert clauses is not None, f"lessons/{lesson}/test_{lesson}.py has no CLAUSES"
+    assert clauses is not None, f"lessons/{lesson}: no test file has CLAUSES"
     assert sorted(clauses) == sorted(tasks_of(lesson)), (
         f"CLAUSES lists {sorted(clauses)}; the lesson's tasks are {tasks_of(lesson)}")
     for task, contract in clauses.items():
@@ -134,6 +144,21 @@ def test_every_task_lists_its_clauses_and_the_tests_that_hold_each(lesson):
             assert names, f"{task}: no test holds the clause {clause!r}"
             unknown = [name for name in names if name not in tests]
             assert not unknown, f"{task}, {clause!r}: no test function {unknown}"
+
+
+MAX_TEST_FILE_LINES = 800  # a task's tests, read alone in one sitting
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_each_lesson_test_file_can_be_read_alone(lesson):
+    """Each task's tests in a file of their own size: no lesson test file, nor what they share
+    (conftest.py, common.py), over MAX_TEST_FILE_LINES lines."""
+    folder = LESSONS_DIR / lesson
+    long = {path.name: lines for path in [*folder.glob("test_*.py"), *folder.glob("conftest.py"),
+                                          *folder.glob("common.py")]
+            if (lines := len(path.read_text().splitlines())) > MAX_TEST_FILE_LINES}
+    assert not long, (f"lessons/{lesson}: {long} lines; split the file by task (test_NN_K_topic.py)"
+                      f", what several files share in common.py or conftest.py")
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

@@ -152,3 +152,14 @@ def test_in_ci_solutions_leave_out_the_lesson_checks_the_learner_run_passed(tmp_
     run = run_pytest(demo, "--solutions", *ci, "-m", "not task9_1 and not task9_4",
                      COURSE_CI_REPORTS=str(reports))
     assert "1 failed, 3 passed, 2 deselected" in run.stdout, run.stdout
+
+
+def test_ci_shortcut_follows_the_helpers_a_lessons_test_files_share():
+    """A lesson check reaches the exercises through common.py as surely as through its own
+    file: lesson 03's trajectory check calls common.train_epochs, which loads the exercise, so
+    CI's --solutions run must not leave it out as already passed."""
+    from course.ci_grading import _names_used
+
+    graph = _names_used(REPO_ROOT / "lessons" / "03_ddp")
+    assert "train_epochs" in graph["test_ddp_trajectory_equals_one_process_on_global_batches"]
+    assert "load_exercise" in graph["train_epochs"]

@@ -164,6 +164,26 @@ def test_spawned_workers_find_the_function_by_path():
         pool.close()
 
 
+def test_a_worker_imports_a_lessons_module_by_its_name_not_by_path():
+    """A rank function from a lesson's common.py (``lesson07.common``) is imported by name in
+    a worker that has not imported it yet: one copy of the module, the one the test files'
+    imports see, not a second loaded by path."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(REPO_ROOT / "lessons")!r}]
+        from harness import ranks
+        path = {str(REPO_ROOT / "lessons" / "07_pipeline_parallel" / "common.py")!r}
+        fn = ranks._find_function(path, "lesson07.common", "make_gpt")
+        import lesson07.common
+        assert fn is lesson07.common.make_gpt, fn
+        assert not [name for name in sys.modules if name.startswith("course_")], sorted(sys.modules)
+        print("by name")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and "by name" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
 def test_graded_mode_reaches_the_ranks():
     for mode, env in run_on_ranks(graded_mode):
         assert mode == solutions_mode()

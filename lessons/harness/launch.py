@@ -316,16 +316,19 @@ def _show(command: list[str]) -> str:
                     for p in shown)
 
 
-def start_first(fixture: str):
-    """An autouse fixture for a test module: when a selected test of the module uses
-    ``fixture`` (a module-scoped fixture that starts scripts in the background, as
-    :func:`start_script` does), it is set up before the module's first test, not the first
-    test that needs it, so the scripts' seconds of importing torch overlap the module's other
-    checks. A module writes ``start_launches_first = start_first("launches")``."""
-    @pytest.fixture(scope="module", autouse=True, name=f"start_{fixture}_first")
+def start_first(fixture: str, conftest: str):
+    """An autouse fixture for a lesson's ``conftest.py``: when a selected test of the lesson
+    uses ``fixture`` (a session-scoped fixture of that conftest that starts scripts in the
+    background, as :func:`start_script` does), it is set up before the lesson's first test,
+    not the first test that needs it, so the scripts' seconds of importing torch overlap the
+    lesson's other checks, in every test file of the folder. The conftest writes
+    ``start_launches_first = start_first("launches", __file__)``."""
+    folder = Path(conftest).resolve().parent
+
+    @pytest.fixture(scope="session", autouse=True, name=f"start_{fixture}_first")
     def start(request):
-        if any(fixture in item.fixturenames for item in request.session.items
-               if getattr(item, "module", None) is request.module):
+        if any(fixture in item.fixturenames and folder in Path(item.path).resolve().parents
+               for item in request.session.items):
             request.getfixturevalue(fixture)
 
     return start

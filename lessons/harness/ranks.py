@@ -33,9 +33,11 @@ import atexit
 import ctypes
 import dataclasses
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -50,6 +52,8 @@ import torch.distributed as dist
 
 from harness.exercises import task_of
 from harness.hardware import cuda_device_count, gpu_marks, gpu_skip_reason
+
+_LESSON_MODULE = re.compile(r"lesson\d\d(\.\w+)+")  # a lesson's module, see harness/__init__.py
 
 PG_TIMEOUT = 20.0  # seconds after which a stuck collective raises on its rank
 CALL_TIMEOUT = 40.0  # seconds the parent waits for all ranks to answer one call
@@ -94,14 +98,20 @@ def _die_with_parent() -> None:
             os._exit(1)
 
 
-def _find_function(path: str, qualname: str):
+def _find_function(path: str, module_name: str, qualname: str):
+    """The function the parent named: from a module already imported from ``path``, else
+    imported by its name when that is a lesson's own module (``lesson07.common``: one copy
+    in this process, whoever imports it), else loaded by path (a test file)."""
     for module in list(sys.modules.values()):
         if getattr(module, "__file__", None) == path:
             break
     else:
-        from harness.exercises import load_path
+        if _LESSON_MODULE.fullmatch(module_name):
+            module = importlib.import_module(module_name)
+        else:
+            from harness.exercises import load_path
 
-        module = load_path(path)
+            module = load_path(path)
     target = module
     for part in qualname.split("."):
         target = getattr(target, part)
@@ -148,9 +158,9 @@ def _worker_main(rank, world_size, backend, device_kind, store_path, pg_timeout,
                 return
             if not message:  # the parent's "stop"
                 return
-            path, qualname, args, kwargs = pickle.loads(message)
+            path, module_name, qualname, args, kwargs = pickle.loads(message)
             try:
-                fn = _find_function(path, qualname)
+                fn = _find_function(path, module_name, qualname)
                 reply = ("ok", _to_cpu(fn(ctx, *args, **kwargs)))
             except BaseException as exc:  # noqa: BLE001 - reported to the parent
                 reply = ("error", _describe(exc))
@@ -263,7 +273,8 @@ class RankPool:
             raise TypeError(f"{fn.__qualname__} must be a module-level function in a file")
         if not self.alive:
             self.start()
-        message = pickle.dumps((os.path.abspath(path), fn.__qualname__, args, kwargs))
+        message = pickle.dumps((os.path.abspath(path), fn.__module__, fn.__qualname__, args,
+                                kwargs))
         try:
             for conn in self._conns:
                 conn.send_bytes(message)

@@ -22,20 +22,28 @@ ALREADY_PASSED = pytest.StashKey[int]()  # lesson checks --solutions left out in
 
 
 @functools.cache
-def _names_used(path: str) -> dict[str, set[str]]:
-    """Each top-level function or class of a test module: the names it uses."""
-    tree = ast.parse(Path(path).read_text())
-    return {node.name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-            for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+def _names_used(folder: Path) -> dict[str, set[str]]:
+    """Each top-level function or class of a lesson's test code (its test files, its
+    conftest.py and the helpers they share in common.py): the names it uses. One graph for the
+    folder, so a test reaches what its fixtures and shared helpers reach; two files defining
+    one name only merge their uses, which can keep a check, never drop one."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted([*folder.glob("test_*.py"), *folder.glob("conftest.py"),
+                        *folder.glob("common.py")]):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                graph.setdefault(node.name, set()).update(
+                    n.id for n in ast.walk(node) if isinstance(n, ast.Name))
+    return graph
 
 
 def _reaches_the_exercises(item) -> bool:
-    """Whether a test uses the ``ex`` fixture or calls, through its module's own functions,
+    """Whether a test uses the ``ex`` fixture or calls, through its lesson's own test code,
     ``load_exercise``: the one place where learner and solutions runs differ."""
     module, fixtures = getattr(item, "module", None), getattr(item, "fixturenames", ())
     if "ex" in fixtures or module is None:  # not a test function: keep it
         return True
-    graph = _names_used(module.__file__)
+    graph = _names_used(Path(module.__file__).resolve().parent)
     seen, todo = set(), [getattr(item, "originalname", item.name), *fixtures]
     while todo:
         name = todo.pop()
@@ -50,7 +58,7 @@ def _reaches_the_exercises(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     """In CI only, with --solutions: a lesson check (a test of no task) that passed in this CI
     run's learner run ($COURSE_CI_REPORTS/learner.xml) is not run again, unless it reaches the
-    exercises (the ``ex`` fixture, or ``load_exercise`` through the module's functions). It
+    exercises (the ``ex`` fixture, or ``load_exercise`` through the lesson's test code). It
     would run the same code a second time: mostly torchrun launches."""
     from course.selfcheck import read_report
     from harness.launch import CI_REPORTS_ENV

@@ -1,0 +1,407 @@
+"""What the test files of lesson 05 share: the test model and its batches, the one-process run
+that every data parallel method must reproduce, the memory formula written once more, the
+tensors the collectives are tested on, and each sharded method trained beside DDP on the same
+ranks, with the checks of its steps and of its collectives.
+
+The test model is the running example at a small size without biases: a key projection's bias
+has no gradient at all in exact arithmetic, so AdamW would step on rounding noise there and two
+correct methods would drift apart (lesson 03 measures this); without biases, fp32 tolerance holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch._dynamo  # noqa: F401 - the first fully_shard() imports it: a second per rank
+import torch.distributed.fsdp  # noqa: F401 - imported here once, so that forked ranks have it
+from gpt import GPT, GPTConfig
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness.collectives import CollectiveLog
+from harness.compare import assert_close, assert_parameters_close, full_fp32
+from harness.exercises import load_exercise
+from harness.memory import held_bytes
+from harness.ranks import group_params
+
+LESSON = "05_sharded_data_parallel"
+SCRIPT = f"lessons/{LESSON}/train_fsdp.py"
+TRAIN_ONE_EPOCH = ("--epochs", "1", "--train-windows", "320")  # the script's checks
+WORLDS = (2, 3, 4)
+# gloo with CPU tensors at every size; CUDA: gloo ranks sharing cuda:0, nccl one rank per GPU.
+GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(2,))
+# FSDP2 on gloo with CUDA tensors is not a combination the course has run: nccl only on GPUs.
+FSDP_GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=())
+
+# 29 tokens, 25 features (5 heads), 2 blocks: some row counts (29, 25) and element counts (725,
+# 25, 625) divide by none of 2, 3 and 4, so the padding is exercised at every world size.
+CONFIG = dict(vocab_size=29, block_size=8, n_layer=2, n_head=5, n_embd=25, bias=False)
+GLOBAL_BATCH = 12  # sequences per step: divides by 2, 3 and 4
+STEPS = 3
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+SGD = {"lr": 0.5}
+ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32
+
+
+def make_gpt(**overrides) -> GPT:
+    return GPT(GPTConfig(**{**CONFIG, **overrides}), seed=0)
+
+
+class Stack(nn.Module):
+    """Two tiny blocks whose last parameters have fewer elements than there are ranks: a weight
+    of 3 elements and a bias of 1, so that on 4 ranks some pieces are empty. Called like the
+    GPT, ``stack(inputs, targets) -> (outputs, loss)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(5, 3), nn.Tanh()),
+                                     nn.Sequential(nn.Linear(3, 1))])
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator))
+
+    def forward(self, x, targets):
+        for block in self.blocks:
+            x = block(x)
+        return x, nn.functional.mse_loss(x, targets)
+
+
+MODELS = {"gpt": make_gpt, "stack": Stack}
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def global_batch(step: int, model: str = "gpt") -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    if model == "stack":
+        return (torch.randn(GLOBAL_BATCH, 5, generator=generator),
+                torch.randn(GLOBAL_BATCH, 1, generator=generator))
+    tokens = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, CONFIG["block_size"] + 1),
+                           generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def share_sizes(world: int, uneven: bool = False) -> list[int]:
+    """How many of the global batch's sequences each rank reads: equal shares, or (uneven) one
+    more on rank 0 and one fewer on the last rank, as when the world size does not divide it."""
+    sizes = [GLOBAL_BATCH // world] * world
+    if uneven:
+        sizes[0], sizes[-1] = sizes[0] + 1, sizes[-1] - 1
+    return sizes
+
+
+def my_share(ctx, step: int, model: str = "gpt", uneven: bool = False):
+    """This rank's contiguous share of step ``step``'s global batch."""
+    inputs, targets = global_batch(step, model)
+    sizes = share_sizes(ctx.world_size, uneven)
+    start = sum(sizes[:ctx.rank])
+    part = slice(start, start + sizes[ctx.rank])
+    return inputs[part].to(ctx.device), targets[part].to(ctx.device)
+
+
+@functools.cache
+def one_process(model: str, steps: int) -> list[dict[str, torch.Tensor]]:
+    """The parameters after each of ``steps`` AdamW steps of one process on the whole global
+    batches: what data parallel training must reproduce (with equal shares)."""
+    net = MODELS[model]()
+    optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
+    trajectory = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        net(*global_batch(step, model))[1].backward()
+        optimizer.step()
+        trajectory.append({name: p.detach().clone() for name, p in net.named_parameters()})
+    return trajectory
+
+
+def ddp_of(model: nn.Module, ctx) -> DDP:
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+
+def whole_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole: a DTensor (FSDP) is gathered, on every rank."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def expected_bytes(psi: int, world: int, stage: int, param=4, grad=4, state=8) -> int:
+    """The lesson's formula, written here once more (the grader never trusts the answer's own
+    memory_per_rank): DDP holds (param + grad + state) bytes for each of the psi parameters;
+    ZeRO stage 1 shards the state, 2 the gradients too, 3 the parameters too."""
+    shard = -(-psi // world)
+    return ((shard if stage >= 3 else psi) * param + (shard if stage >= 2 else psi) * grad
+            + (shard if stage >= 1 else psi) * state)
+
+
+MEMORY_TOLERANCE = 0.1  # the issue's bound: measured bytes per rank within 10 % of the formula
+PER_PARAMETER = {0: "4 + 4 + 8", 1: "4 + 4 + 8/W", 2: "4 + (4 + 8)/W", 3: "(4 + 4 + 8)/W"}
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (fully sharded)"}
+
+
+def assert_holds_the_formula(measured: float, psi: int, world: int, stage: int, what: str,
+                             rank: int) -> None:
+    """``measured`` bytes (``what``: what was measured, and when) against stage ``stage``'s
+    bytes per rank for ``psi`` fp32 parameters with AdamW on ``world`` ranks."""
+    __tracebackhide__ = True
+    formula = expected_bytes(psi, world, stage)
+    assert abs(measured - formula) <= MEMORY_TOLERANCE * formula, (
+        f"rank {rank}: {what}: {kb(measured)}; the formula for {STAGE_NAMES[stage]} on {world} "
+        f"ranks gives {kb(formula)} ({PER_PARAMETER[stage].replace('W', str(world))} bytes per "
+        f"parameter)")
+
+
+def padded_numel(model: nn.Module, world: int) -> int:
+    """Elements in every parameter's padded pieces, all ranks together: what the collectives of
+    a per-parameter flat sharding move."""
+    return sum(world * -(-p.numel() // world) for p in model.parameters())
+
+
+def piece_bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
+    size = -(-numel // world)
+    start = min(rank * size, numel)
+    return start, min(start + size, numel)
+
+
+def kb(nbytes: float) -> str:
+    return f"{nbytes / 1000:,.1f} kB"
+
+
+def with_diagnosis(error: AssertionError, why: str) -> AssertionError:
+    """``error`` with ``why`` appended to its first line (the line a summary shows)."""
+    first, _, rest = str(error).partition("\n")
+    return AssertionError(f"{first}: {why}" + (f"\n{rest}" if rest else ""))
+
+
+# ----------------------------------------------------------------------------- the collectives
+
+SHAPES = [(5, 3), (7,), (2, 2, 2), (1,)]  # 15, 7, 8 and 1 elements: most divide by no world
+
+
+def upstream_gradient(shape, rank: int) -> torch.Tensor:
+    """A tensor that differs on every rank: a gradient before averaging."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 + rank))
+
+
+def mean_piece(shape, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean over ranks of upstream_gradient, and rank ``rank``'s padded piece of it."""
+    mean = (sum(upstream_gradient(shape, r) for r in range(world)) / world).reshape(-1)
+    start, end = piece_bounds(mean.numel(), world, rank)
+    piece = torch.zeros(-(-mean.numel() // world))
+    piece[: end - start] = mean[start:end]
+    return mean, piece
+
+
+# ----------------------------------------------------------------------------- beside DDP
+
+# Every sharded method below is trained beside DDP, on the same ranks, from the same model and
+# on the same batches. What each returns is compared with DDP's in the parent process.
+
+
+def build_hand_zero(ex, method: str, model: nn.Module, optimizer: str):
+    optimizer_class, settings = ((torch.optim.AdamW, ADAMW) if optimizer == "adamw"
+                                 else (torch.optim.SGD, SGD))
+    wrapper = ex.Zero1Optimizer if method == "zero1" else ex.Zero2Optimizer
+    return wrapper(model.parameters(), optimizer_class, **settings)
+
+
+def sharded_by(ex, model: nn.Module, **options) -> nn.Module:
+    """``ex.shard_model(model, **options)``, with a hint when FSDP refuses what it was given."""
+    try:
+        return ex.shard_model(model, **options)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - FSDP's own message rarely names the cause
+        raise AssertionError(
+            f"shard_model raised {type(error).__name__}: {error}. If fully_shard(model) came "
+            f"before the blocks': FSDP2 is applied bottom-up, each call taking the parameters "
+            f"that no earlier call took, so shard each block first and the root last") from error
+
+
+def train_beside_ddp(ctx, method: str, optimizer: str, steps: int, model_name: str = "gpt", *,
+                     uneven: bool = False):
+    """``steps`` steps of ``method`` ("zero1", "zero2" or "fsdp") next to DDP, on the test
+    model ``model_name`` (see MODELS), each rank reading its share (``uneven``: shares of
+    different sizes). Returns every step's whole parameters of both, and of the method: what a
+    rank holds after the backward of step 2 (when parameters, gradients and optimizer state all
+    exist), the whole gradients it held at most while a backward ran, and the collectives of its
+    first step."""
+    with full_fp32():  # compared with a CPU run: no TF32
+        ex = load_exercise(LESSON)
+        optimizer_class, settings = ((torch.optim.AdamW, ADAMW) if optimizer == "adamw"
+                                     else (torch.optim.SGD, SGD))
+        reference = ddp_of(MODELS[model_name]().to(ctx.device), ctx)
+        reference_optimizer = optimizer_class(reference.parameters(), **settings)
+        model = MODELS[model_name]().to(ctx.device)
+        if method == "fsdp":
+            model = sharded_by(ex, model)
+            sharded = optimizer_class(model.parameters(), **settings)
+        else:
+            sharded = build_hand_zero(ex, method, model, optimizer)
+        whole_grads_peak = [0]
+
+        def whole_gradient_bytes() -> int:  # FSDP's gradients are DTensor shards, not whole
+            return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                       if p.grad is not None and not hasattr(p.grad, "to_local"))
+
+        def note_whole_gradients(_):  # runs after the method's own hook on the same parameter
+            whole_grads_peak[0] = max(whole_grads_peak[0], whole_gradient_bytes())
+
+        hooks = [p.register_post_accumulate_grad_hook(note_whole_gradients)
+                 for p in model.parameters()] if method != "fsdp" else []
+        result = {"start": whole_parameters(model), "method": [], "ddp": [], "held": None,
+                  "optimizer_held": None, "log": None}
+        try:
+            for step in range(steps):
+                inputs, targets = my_share(ctx, step, model_name, uneven)
+                reference_optimizer.zero_grad(set_to_none=True)
+                reference(inputs, targets)[1].backward()
+                reference_optimizer.step()
+                with CollectiveLog(ex) as log:
+                    sharded.zero_grad(set_to_none=True)
+                    model(inputs, targets)[1].backward()
+                    if step == 1:
+                        result["held"] = held_bytes(model, sharded)
+                        result["optimizer_held"] = held_bytes(sharded, exclude=[model])
+                        result["whole_grads_after_backward"] = whole_gradient_bytes()
+                    sharded.step()
+                if step == 0:
+                    result["log"] = {"summary": log.summary(), "calls": [
+                        (c.op, c.payload) for c in log.calls]}
+                result["method"].append(whole_parameters(model))
+                result["ddp"].append(whole_parameters(reference.module))
+        finally:
+            for hook in hooks:
+                hook.remove()
+            if hasattr(sharded, "remove"):
+                sharded.remove()
+        result["whole_grads_peak"] = whole_grads_peak[0]
+        return result
+
+
+def piece_diagnosis(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, world: int,
+                    rank: int) -> str:
+    """Where, by pieces, a parameter differs from DDP's: the mistake, when the numbers leave no
+    doubt (the elements that differ are exactly the ones the step left as they were), or ""."""
+    flat, previous = got.double().reshape(-1), before.double().reshape(-1)
+    differ = ~torch.isclose(flat, want.double().reshape(-1), rtol=1.3e-6, atol=1e-5)
+    unchanged = flat == previous
+    numel = differ.numel()
+    if not bool(differ.any()):
+        return ""
+    floor_end = world * (numel // world)
+    if (numel % world and bool(differ[floor_end:].all()) and not bool(differ[:floor_end].any())
+            and bool(unchanged[floor_end:].all())):
+        return (f"only the last {numel - floor_end} elements differ, and the step left them as "
+                f"they were: with numel // world_size elements per piece, {numel} % {world} "
+                f"elements belong to no rank. Use shard_bounds: ceil(numel / world_size) per "
+                f"piece, the last pieces padded")
+    start, end = piece_bounds(numel, world, rank)
+    outside = torch.ones(numel, dtype=torch.bool)
+    outside[start:end] = False
+    if (not bool(differ[start:end].any()) and bool(differ[outside].any())
+            and bool(unchanged[differ].all())):
+        return (f"rank {rank}'s own piece (elements {start} to {end - 1}) was updated as DDP's "
+                f"but the others kept their values from before the step: the updated pieces "
+                f"were not all-gathered back into the whole parameter")
+    return ""
+
+
+def assert_same_as_ddp(result: dict, rank: int, world: int, method: str,
+                       one_process_steps: list | None = None) -> None:
+    """Every step's parameters equal DDP's; the first step's *updates* too, where a wrong
+    gradient scale shows (an update W times DDP's) even under AdamW, which hides it later. With
+    ``one_process_steps``, the last step's parameters also equal one process's on the whole
+    global batches."""
+    __tracebackhide__ = True
+    first_method = {n: result["method"][0][n] - result["start"][n] for n in result["start"]}
+    first_ddp = {n: result["ddp"][0][n] - result["start"][n] for n in result["start"]}
+    befores = [result["start"], *result["method"][:-1]]
+    for step, (got, want) in enumerate(zip(result["method"], result["ddp"], strict=True)):
+        for name in want:
+            try:
+                if step == 0:
+                    assert_close(first_method[name], first_ddp[name],
+                                 f"{method}: update of {name!r} in step 1, vs DDP's", rank)
+                assert_close(got[name], want[name],
+                             f"{method}: {name!r} after step {step + 1}, vs DDP", rank)
+            except AssertionError as error:
+                why = piece_diagnosis(got[name], want[name], befores[step][name], world, rank)
+                raise (with_diagnosis(error, why) if why else error) from None
+    if one_process_steps is not None:
+        assert_parameters_close(result["method"][-1], one_process_steps[len(result["method"]) - 1],
+                                what=f"{method} after the last step, vs one process on the "
+                                     f"whole batches", rank=rank)
+
+
+def assert_collectives(result: dict, rank: int, world: int, method: str,
+                       expected: dict[str, int], why: dict[str, str] | None = None) -> None:
+    """The first step's collectives: the payload of each op equals ``expected`` (bytes);
+    ``why`` says, per op, what that payload is (default: every parameter once)."""
+    __tracebackhide__ = True
+    calls = result["log"]["calls"]
+    moved = {op: sum(payload for kind, payload in calls if kind == op)
+             for op in {kind for kind, _ in calls} | set(expected)}
+    summary = result["log"]["summary"]
+    if moved.get("all_reduce", 0) and not expected.get("all_reduce"):
+        raise AssertionError(
+            f"rank {rank}: {method} all-reduced {kb(moved['all_reduce'])} in one step "
+            f"({summary}). A rank needs only the mean of its own piece of each gradient: "
+            f"reduce_scatter_single gives it exactly that, for half an all-reduce's traffic "
+            f"(an all-reduce is a reduce-scatter followed by an all-gather)")
+    for op, payload in expected.items():
+        reason = (why or {}).get(op, "every parameter once")
+        assert moved.get(op, 0) == payload, (
+            f"rank {rank}: {method}'s {op} payload in one step is {kb(moved.get(op, 0))}, "
+            f"expected {kb(payload)}: {reason}, padded to world_size pieces ({summary})")
+
+
+def accumulate_beside_ddp(ctx, method: str, micro_batches: int, steps: int = 2, *,
+                          discard_first: bool = False):
+    """``steps`` optimizer steps of ``method`` beside DDP, each over ``micro_batches``
+    accumulated backwards of this rank's share (each micro-batch's loss divided by their
+    number): DDP skips its all-reduce under ``no_sync()`` for all but the last, FSDP2 under
+    ``set_requires_gradient_sync(False)``, the hand ZeRO optimizers reduce as they were built
+    to. ``discard_first``: before each step's micro-batches, one backward of another batch
+    thrown away with ``zero_grad()``, which must forget it. Returns both trajectories."""
+    with full_fp32():  # compared with a CPU run: no TF32
+        ex = load_exercise(LESSON)
+        reference = ddp_of(make_gpt().to(ctx.device), ctx)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        model = make_gpt().to(ctx.device)
+        if method == "fsdp":
+            model = sharded_by(ex, model)
+            sharded = torch.optim.AdamW(model.parameters(), **ADAMW)
+        else:
+            sharded = build_hand_zero(ex, method, model, "adamw")
+        result = {"start": whole_parameters(model), "method": [], "ddp": []}
+        try:
+            for step in range(steps):
+                inputs, targets = my_share(ctx, step)
+                reference_optimizer.zero_grad(set_to_none=True)
+                sharded.zero_grad(set_to_none=True)
+                if discard_first:
+                    thrown_inputs, thrown_targets = my_share(ctx, 50 + step)
+                    model(thrown_inputs, thrown_targets)[1].backward()
+                    sharded.zero_grad(set_to_none=True)
+                parts = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches),
+                                 strict=True))
+                for index, (x, y) in enumerate(parts):
+                    last = index == len(parts) - 1
+                    with reference.no_sync() if not last else contextlib.nullcontext():
+                        (reference(x, y)[1] / len(parts)).backward()
+                    if method == "fsdp":
+                        model.set_requires_gradient_sync(last)
+                    (model(x, y)[1] / len(parts)).backward()
+                reference_optimizer.step()
+                sharded.step()
+                result["method"].append(whole_parameters(model))
+                result["ddp"].append(whole_parameters(reference.module))
+        finally:
+            if hasattr(sharded, "remove"):
+                sharded.remove()
+        return result

@@ -1,0 +1,129 @@
+"""What the test files of lesson 07 share: the running example at its tiny size, the tests'
+own even cut of it into stages, and the reference every pipeline is held to.
+
+The reference is one process on the whole batch, with SGD: a gradient m times too large (or
+1/m) moves the weights m times too far, where Adam would normalise the mistake away.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed.pipelining  # noqa: F401 - imported here once, so that forked ranks have it
+import torch.nn.functional as F
+from gpt import GPT, GPTConfig, GPTStage
+from torch import nn
+
+from harness.compare import assert_close
+from harness.ranks import group_params
+
+LESSON = "07_pipeline_parallel"
+SCRIPT = f"lessons/{LESSON}/train_pp.py"
+TRAIN = ("--epochs", "1", "--train-windows", "64")  # the script's run: 1 epoch, 64 windows
+# 4 blocks: 2 stages of 2 blocks, or 4 of 1. Biases on: SGD steps on them as on the rest.
+CONFIG = dict(vocab_size=29, block_size=8, n_layer=4, n_head=2, n_embd=16, bias=True)
+BATCH = 8  # sequences per step: 1, 2, 4 or 8 micro-batches
+STEPS = 2
+SGD = {"lr": 0.5}
+# gloo with CPU tensors; on GPUs nccl, one rank per GPU (gloo's send and receive of CUDA tensors
+# is not something the course has run).
+GROUPS = group_params(world_sizes=(2, 4), cuda_world_sizes=(), nccl_world_sizes=(2, 4))
+
+
+def make_gpt(**overrides) -> GPT:
+    return GPT(GPTConfig(**{**CONFIG, **overrides}), seed=0)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"] + 1),
+                           generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@functools.cache
+def one_process(steps: int = STEPS) -> dict:
+    """The unsplit model on the whole batch, SGD: the parameters after each step, the first
+    step's gradients, and its micro-batch losses for each micro-batch count."""
+    model = make_gpt()
+    optimizer = torch.optim.SGD(model.parameters(), **SGD)
+    out = {"states": [], "losses": {}}
+    inputs, targets = batch(0)
+    with torch.no_grad():
+        for m in (1, 2, 4, 8):
+            out["losses"][m] = [model(x, y)[1].item()
+                                for x, y in zip(inputs.chunk(m), targets.chunk(m), strict=True)]
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        model(*batch(step))[1].backward()
+        if step == 0:
+            out["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        out["states"].append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return out
+
+
+def my_stage(model: GPT, stage: int, num_stages: int) -> GPTStage:
+    """The tests' own cut: equal runs of blocks (task7_3 asks for the balanced one)."""
+    per = CONFIG["n_layer"] // num_stages
+    return GPTStage(model, stage * per, (stage + 1) * per)
+
+
+def owned(model: GPT, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters that ``module`` holds, by the model's names."""
+    mine = {id(p) for p in module.parameters()}
+    return {name: p for name, p in model.named_parameters() if id(p) in mine}
+
+
+def train_stage(model: GPT, stage: nn.Module, step_fn, steps: int) -> dict:
+    """SGD on this rank's ``stage`` for ``steps`` steps; ``step_fn(step)`` runs one step's
+    forwards and backwards (through a pipeline) and returns the last stage's losses. The stage's
+    parameters after each step (by the model's names), its gradients and losses of the first."""
+    optimizer = torch.optim.SGD(stage.parameters(), **SGD)
+    out = {"states": [], "grads": {}, "losses": None}
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        losses = step_fn(step)
+        if step == 0:
+            out["grads"] = {n: None if p.grad is None else p.grad.clone()
+                            for n, p in owned(model, stage).items()}
+            out["losses"] = losses
+        optimizer.step()
+        out["states"].append({n: p.detach().clone() for n, p in owned(model, stage).items()})
+    return out
+
+
+def assert_trains_like_one_process(results: list[dict], what: str, m: int) -> None:
+    """Every rank's parameters (each its own stage's) against the unsplit model's."""
+    __tracebackhide__ = True
+    reference = one_process()
+    covered = set().union(*(r["states"][0] for r in results))
+    missing = sorted(set(reference["grads"]) - covered)
+    assert not missing, f"{what}: no stage holds {missing[:3]}"
+    for rank, got in enumerate(results):
+        for name, grad in got["grads"].items():
+            if grad is None:
+                raise AssertionError(f"rank {rank}: {what}: {name!r} has no gradient after the "
+                                     f"first step: no backward reached stage {rank}")
+            try:
+                assert_close(grad, reference["grads"][name], f"{what}: the first step's gradient "
+                             f"of {name!r}", rank)
+            except AssertionError as error:
+                ratio = float((grad * reference["grads"][name]).sum()
+                              / (reference["grads"][name] ** 2).sum())
+                hint = (f": it is {ratio:.3g}x the whole batch's. Each micro-batch's mean loss "
+                        f"is divided by m = {m} before its backward, so that the m gradients "
+                        f"add up to the batch's mean" if m > 1 and abs(ratio - m) < 1e-3 * m
+                        else "")
+                raise AssertionError(f"{error}{hint}") from None
+        for step, state in enumerate(got["states"]):
+            for name, tensor in state.items():
+                assert_close(tensor, reference["states"][step][name], f"{what}: {name!r} after "
+                             f"SGD step {step + 1}", rank)
+
+

@@ -1,0 +1,119 @@
+"""Lesson 08, task8_4: ``choose_method``: the decision follows the README's table row by row (the
+test reads the table), exactly full counts as fitting, nonsense is refused, and the error
+says the bytes the smallest option needs. Plain calls.
+
+    pytest lessons/08_measure_and_choose -m task8_4
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness.exercises import raise_if_untouched
+from lesson08.common import GB, assert_refuses, readme_cases
+
+# The task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task8_4": {
+        "'one device' when num_gpus is 1 and 4 x model + activations fit": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "'ddp': the same, on every GPU": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "'fsdp': 4 x model / num_gpus + activations": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "activations split gpus_per_node ways: 'tp+fsdp' over NVLink": [
+            "test_choose_method_follows_the_table_of_the_text"],
+        "activations split gpus_per_node ways: 'pp+fsdp' over PCIe": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "in order, the first that fits in gpu_memory (exactly full fits)": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting"],
+        "nothing fits, or one GPU too small: ValueError": [
+            "test_choose_method_follows_the_table_of_the_text"],
+        "the ValueError says how many bytes the smallest option needs": [
+            "test_choose_method_errors_say_the_bytes_the_smallest_option_needs"],
+        "arguments that are not positive raise ValueError": ["test_choose_method_refuses_nonsense"],
+        "gpus_per_node that does not divide num_gpus raises ValueError": [
+            "test_choose_method_refuses_nonsense"],
+        "an unknown link raises ValueError": ["test_choose_method_refuses_nonsense"],
+    },
+}
+
+
+@pytest.mark.task8_4
+@pytest.mark.parametrize("case", readme_cases(), ids=lambda case: case["case"])
+def test_choose_method_follows_the_table_of_the_text(ex, case):
+    arguments = {k: v for k, v in case.items() if k not in ("case", "method")}
+    shown = ", ".join(f"{k}={v}" for k, v in arguments.items())
+    if case["method"] == "error":
+        error = assert_refuses(ex.choose_method, list(arguments.values()),
+                               f"{case['case']}: in the table nothing fits (each GPU holds "
+                               f"4 x the weights, AdamW's training state, plus activations)")
+        assert re.search(r"\d", str(error)), (
+            f"{case['case']}: the error {str(error)!r} should say how many bytes are needed")
+        return
+    got = ex.choose_method(**arguments)
+    assert got == case["method"], (
+        f"{case['case']}: choose_method({shown}) returned {got!r}; the table says "
+        f"{case['method']!r}. Each GPU holds 4 x the weights (AdamW: weights, gradients, two "
+        f"moments), divided by the GPUs when sharded, plus its activations (divided by the GPUs "
+        f"of a node only with tensor or pipeline parallelism)")
+
+
+@pytest.mark.task8_4
+@pytest.mark.parametrize("arguments", [(GB, GB, 0, 8, 8, "nvlink"), (GB, GB, 80 * GB, 8, 8, "ib"),
+                                       (GB, GB, 80 * GB, 12, 8, "nvlink"),
+                                       (0, GB, 80 * GB, 8, 8, "nvlink"),
+                                       (GB, GB, 80 * GB, 0, 8, "nvlink"),
+                                       (GB, GB, 80 * GB, 8, 0, "nvlink"),
+                                       (GB, -1, 80 * GB, 8, 8, "nvlink")],
+                         ids=["no memory", "unknown link", "not whole nodes", "no model",
+                              "no GPUs", "no GPUs per node", "negative activations"])
+def test_choose_method_refuses_nonsense(ex, arguments):
+    assert_refuses(ex.choose_method, arguments, "sizes and counts must be positive "
+                   "(activation_bytes may be 0), the link known, the GPUs whole nodes")
+
+
+# (model, activations, memory, GPUs, per node, link) -> method: each row exactly at its limit
+BOUNDARIES = [
+    ((GB, GB, 5 * GB, 1, 1, "nvlink"), "one device", "4 x 1 GB + 1 GB is exactly 5 GB"),
+    ((GB, 0, 4 * GB, 1, 1, "nvlink"), "one device", "no activations at all fit (0 is allowed)"),
+    ((GB, GB, 5 * GB, 2, 2, "nvlink"), "ddp", "4 x 1 GB + 1 GB is exactly 5 GB on each GPU"),
+    ((2 * GB, GB, 2 * GB, 8, 8, "nvlink"), "fsdp", "8 GB / 8 + 1 GB is exactly 2 GB"),
+    ((GB, GB, 3 * GB, 2, 2, "nvlink"), "fsdp", "on two GPUs, 4 GB / 2 + 1 GB is exactly 3 GB"),
+    ((2 * GB, 8 * GB, 2 * GB, 8, 8, "pcie"), "pp+fsdp", "8 GB / 8 + 8 GB / 8 is exactly 2 GB"),
+]
+
+
+@pytest.mark.task8_4
+@pytest.mark.parametrize("arguments,method,why", BOUNDARIES,
+                         ids=[f"{b[1]}-{i}" for i, b in enumerate(BOUNDARIES)])
+def test_choose_method_counts_exactly_full_as_fitting(ex, arguments, method, why):
+    got = ex.choose_method(*arguments)
+    assert got == method, (
+        f"choose_method{arguments} returned {got!r}, expected {method!r}: {why}, and bytes that "
+        f"equal gpu_memory fit (<=, not <)")
+
+
+@pytest.mark.task8_4
+def test_choose_method_errors_say_the_bytes_the_smallest_option_needs(ex):
+    raise_if_untouched(ex.choose_method)
+    error = assert_refuses(ex.choose_method, (GB, GB, 5 * GB - 1, 1, 1, "nvlink"),
+                           "one GPU of 5 GB - 1 byte cannot hold 4 x 1 GB + 1 GB")
+    assert "5000000000" in str(error), (
+        f"the error {str(error)!r} should say the 5000000000 bytes (4 x the weights plus the "
+        f"activations) one GPU would need")
+    error = assert_refuses(ex.choose_method, (2 * GB, 8 * GB, 2 * GB - 1, 8, 8, "pcie"),
+                           "8 GB / 8 of state + 8 GB / 8 of activations is 1 byte too many: the "
+                           "activations split across the node add to the state, not subtract")
+    assert "2000000000" in str(error), (
+        f"the error {str(error)!r} should say the 2000000000 bytes each GPU would need")
+    got = ex.choose_method(GB, GB, 5 * GB, 2, 1, "nvlink")
+    assert got == "ddp", f"two GPUs that each hold the whole run is 'ddp', not {got!r}"

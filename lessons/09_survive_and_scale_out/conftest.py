@@ -1,0 +1,51 @@
+"""Lesson 09's fixtures, shared by its test files: ``ex`` (the graded exercises) and
+``launches``, the torchrun runs of the lesson's script checks, started in the background
+before the lesson's first test (in whichever file) when a selected test uses them."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.exercises import REPO_ROOT, load_exercise
+from harness.launch import free_port, path_with, start_first, start_script
+from lesson09.common import LESSON, RESILIENT, RESTARTABLE, SBATCH
+
+
+@pytest.fixture
+def ex():
+    return load_exercise(LESSON)
+
+
+start_launches_first = start_first("launches", __file__)  # while the other checks run
+
+
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory):
+    """The torchrun runs of test_09_survive_and_scale_out.py's script checks, started
+    together."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("restart", "no-restart")}
+    # gloo on the CPU, as the pooled reference trains, on a GPU machine too: there two nodes on
+    # one machine would be two nccl ranks on cuda:0, which NCCL refuses (the GPU test of
+    # test_09_survive_and_scale_out.py runs the restart on GPUs).
+    common = ("--backend", "gloo", "--epochs", "1", "--batch-size", "4", "--train-windows", "64",
+              "--dropout", "0.1", "--save-every", "3")
+    runs = {
+        "restart": start_script(RESILIENT, *common, "--checkpoint-dir", str(folders["restart"]),
+                                "--crash-at-step", "5", launcher="torchrun", nproc=2,
+                                launcher_args=("--max-restarts=1",), env=RESTARTABLE,
+                                timeout=90),
+        # One process: the last rank is rank 0, and one fewer process to start.
+        "no-restart": start_script(RESILIENT, *common, "--checkpoint-dir",
+                                   str(folders["no-restart"]), "--crash-at-step", "5",
+                                   launcher="torchrun", nproc=1, check=False, timeout=90),
+    }
+    # Two nodes on this machine: the batch script, with a stand-in for srun that starts one
+    # task per emulated node (hosts 127.0.0.1 and 127.0.0.2), each a torchrun of one process.
+    runs["two nodes"] = start_script(
+        SBATCH, *common[:-2], launcher="bash", timeout=90,
+        env={"PATH": path_with(REPO_ROOT / SBATCH.rsplit("/", 1)[0]),
+             "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4242", "SAVE_EVERY": "3",
+             "CHECKPOINTS": str(tmp_path_factory.mktemp("slurm")), "FAKE_SLURM_NODES": "2"})
+    yield {"runs": runs, "folders": folders}
+    for run in runs.values():
+        run.stop()
