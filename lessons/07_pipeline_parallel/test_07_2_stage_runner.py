@@ -7,6 +7,7 @@ stage, not a hang; the idle time measured on even stages matches the bubble form
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import gc
@@ -251,6 +252,11 @@ def test_stage_runner_posts_an_order_nccl_can_run(ex, world, kind, m):
                              f"gloo, but on NCCL it would hang: {error}") from None
 
 
+# The runner's timeout in the mismatched run: the real waits before the deadlock (a forward of
+# two tiny blocks) take milliseconds.
+MISMATCH_TIMEOUT = 1.0
+
+
 def mismatched_run(ctx):
     """Stage 0 runs F0 B0 F1 B1, stage 1 runs F0 F1 B0 B1: stage 0 waits for B0's gradient,
     which stage 1 sends only after F1, which stage 0 sends only after B0."""
@@ -258,7 +264,8 @@ def mismatched_run(ctx):
     model = make_gpt()
     stage = my_stage(model, ctx.rank, 2)
     shape = (BATCH // 2, CONFIG["block_size"], CONFIG["n_embd"])
-    runner = ex.StageRunner(stage, ctx.rank, 2, shape, loss_fn=next_token_loss, timeout=2.0)
+    runner = ex.StageRunner(stage, ctx.rank, 2, shape, loss_fn=next_token_loss,
+                            timeout=MISMATCH_TIMEOUT)
     actions = ([("F", 0), ("B", 0), ("F", 1), ("B", 1)] if ctx.rank == 0
                else [("F", 0), ("F", 1), ("B", 0), ("B", 1)])
     inputs, targets = (list(t.chunk(2)) for t in batch(0))
@@ -291,7 +298,7 @@ def mismatched_timeouts() -> list[dict]:
 @pytest.mark.task7_2
 def test_mismatched_schedules_end_with_a_timeout_naming_the_stage(ex):
     """The simulator calls these two schedules a deadlock; on real ranks the runner must turn
-    the wait into a TimeoutError that names its stage, within its timeout (2 s here)."""
+    the wait into a TimeoutError that names its stage, within its timeout (1 s here)."""
     raise_if_untouched(ex.StageRunner.step)
     assert isinstance(pytest.raises(Deadlock, simulate, [
         [("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]], 2
@@ -303,7 +310,8 @@ def test_mismatched_schedules_end_with_a_timeout_naming_the_stage(ex):
         assert f"stage {rank}" in got["error"], (
             f"rank {rank}: the TimeoutError should name stage {rank}: {got['error']!r}")
         assert got["seconds"] < 7, (
-            f"rank {rank}: it took {got['seconds']:.1f} s to give up, with a 2 s timeout")
+            f"rank {rank}: it took {got['seconds']:.1f} s to give up, with a "
+            f"{MISMATCH_TIMEOUT:g} s timeout")
 
 
 class EvenStage(nn.Module):
@@ -358,15 +366,34 @@ BUBBLES = [(2, "1f1b", 1), (2, "gpipe", 4), (2, "1f1b", 4), (4, "gpipe", 4), (4,
            (4, "1f1b", 8)]  # the README's table
 
 
+@functools.cache
+def bubble_timelines() -> dict[tuple, list]:
+    """Every row's timelines, one step each. The 2-stage rows run beside the 4-stage rows, on
+    their own pool, from a second thread: the stages sleep, so the two pipelines hardly slow
+    each other, and the grader waits for the 4-stage rows only."""
+    worlds = sorted({world for world, _, _ in BUBBLES})
+    for world in worlds:  # started here: a pool is started by one thread at a time
+        if not get_pool(world).alive:
+            get_pool(world).start()
+
+    def rows_on(world: int) -> dict[tuple, list]:
+        return {(w, kind, m): run_on_ranks(even_pipeline_run, kind, m, world_size=w)
+                for w, kind, m in BUBBLES if w == world}
+
+    with concurrent.futures.ThreadPoolExecutor(len(worlds)) as threads:
+        return {row: timelines for rows in threads.map(rows_on, worlds)
+                for row, timelines in rows.items()}
+
+
 @pytest.mark.task7_2
 @pytest.mark.parametrize("world,kind,m", BUBBLES, ids=[f"p{w}-{k}-m{m}" for w, k, m in BUBBLES])
 def test_measured_bubble_matches_the_formula(ex, world, kind, m):
     """Every stage's timeline (its computations' start and end) gathered from every rank: the
     idle share of all stages' time against (p - 1) / (m + p - 1). The stages sleep through even
     forwards and backwards, so the machine's load hardly matters; the sends and receives are
-    real."""
+    real. (The first row's test runs every row: see bubble_timelines.)"""
     raise_if_untouched(ex.StageRunner.step)
-    timelines = run_on_ranks(even_pipeline_run, kind, m, world_size=world)
+    timelines = bubble_timelines()[world, kind, m]
     for rank, timeline in enumerate(timelines):
         kinds = sorted(f"{kind}{i}" for kind, i, _, _ in timeline)
         assert kinds == sorted(f"{k}{i}" for k in "FB" for i in range(m)), (
