@@ -26,6 +26,7 @@ from harness.exercises import (
     SOLUTIONS_DIR,
     TASK_ID,
     exercise_files,
+    grader_files,
     lesson_names,
     load_path,
     stub_message,
@@ -154,8 +155,7 @@ def test_each_lesson_test_file_can_be_read_alone(lesson):
     """Each task's tests in a file of their own size: no lesson test file, nor what they share
     (conftest.py, common.py), over MAX_TEST_FILE_LINES lines."""
     folder = LESSONS_DIR / lesson
-    long = {path.name: lines for path in [*folder.glob("test_*.py"), *folder.glob("conftest.py"),
-                                          *folder.glob("common.py")]
+    long = {path.name: lines for path in grader_files(folder)
             if (lines := len(path.read_text().splitlines())) > MAX_TEST_FILE_LINES}
     assert not long, (f"lessons/{lesson}: {long} lines; split the file by task (test_NN_K_topic.py)"
                       f", what several files share in common.py or conftest.py")

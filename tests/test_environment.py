@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from course.manifest import COURSE, Script
-from harness.exercises import REPO_ROOT
+from harness.exercises import REPO_ROOT, grader_files
 from harness.launch import recorded_launches, start_script
 
 COURSE_FILES = sorted(p for folder in ("lessons", "solutions", "tests")
@@ -127,10 +127,11 @@ def test_every_module_imports_in_a_fresh_process():
 def test_the_manifest_lists_every_lesson_script():
     lessons = REPO_ROOT / "lessons"
     modules = {f"{entry.folder}/{name}" for entry in COURSE for name in entry.modules}
+    test_code = {path for folder in lessons.glob("[0-9][0-9]_*/")
+                 for path in grader_files(folder)}
     scripts = {str(p.relative_to(lessons)) for p in lessons.glob("[0-9][0-9]_*/**/*.py")
-               if not p.name.startswith(("test_", "exercises"))
-               and p.name not in ("walkthrough.py", "conftest.py")
-               and str(p.relative_to(lessons)) not in modules}
+               if p not in test_code and not p.name.startswith("exercises")
+               and p.name != "walkthrough.py" and str(p.relative_to(lessons)) not in modules}
     assert scripts == set(SCRIPT_RUNS), (
         f"add to the manifest (tests/course/manifest.py): {sorted(scripts - set(SCRIPT_RUNS))}; "
         f"gone: {sorted(set(SCRIPT_RUNS) - scripts)}")

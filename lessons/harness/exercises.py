@@ -48,6 +48,15 @@ def exercise_files(lesson: str) -> list[str]:
     return sorted(p.name for p in (LESSONS_DIR / lesson).glob("exercises*.py"))
 
 
+GRADER_FILES = ("test_*.py", "conftest.py", "common.py")  # a lesson's grader and what it shares
+
+
+def grader_files(folder: Path) -> list[Path]:
+    """A lesson folder's test code: its test files, its conftest.py, and common.py (what they
+    share, imported as ``lessonNN.common``)."""
+    return sorted(path for pattern in GRADER_FILES for path in folder.glob(pattern))
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.exercises import TASK_MARK, solutions_mode
+from harness.exercises import TASK_MARK, grader_files, solutions_mode
 
 ALREADY_PASSED = pytest.StashKey[int]()  # lesson checks --solutions left out in CI
 
@@ -28,8 +28,7 @@ def _names_used(folder: Path) -> dict[str, set[str]]:
     folder, so a test reaches what its fixtures and shared helpers reach; two files defining
     one name only merge their uses, which can keep a check, never drop one."""
     graph: dict[str, set[str]] = {}
-    for path in sorted([*folder.glob("test_*.py"), *folder.glob("conftest.py"),
-                        *folder.glob("common.py")]):
+    for path in grader_files(folder):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 graph.setdefault(node.name, set()).update(

@@ -40,9 +40,10 @@ class Lesson:
     # answer in solutions/<folder>/exercises.py, comma-separated when there are several
     tasks: dict[str, str]
     scripts: tuple[Script, ...]
-    # The lesson's other Python files, which are not scripts to run: what its tests share
-    # (imported as ``lessonNN.<name>``, see harness/__init__.py) and the tools its tests or its
-    # walkthrough use. Test files and conftest.py need no entry.
+    # The lesson's other Python files, which are not scripts to run: the tools its tests or its
+    # walkthrough use (imported as ``lessonNN.<name>``, see harness/__init__.py). A lesson's
+    # test code (harness.exercises.grader_files: its test files, conftest.py and common.py)
+    # needs no entry.
     modules: tuple[str, ...] = ()
 
     @property
@@ -69,30 +70,26 @@ COURSE: tuple[Lesson, ...] = (
            (Script("train.py", smallest=QUICK),
             Script("fast_one_device.py", smallest=(
                 "--device", "cpu", "--width", "32", "--blocks", "1", "--batch-size", "16",
-                "--steps", "2", "--warmup", "1", "--no-compile"))),
-           modules=("common.py",)),  # what its test files share
+                "--steps", "2", "--warmup", "1", "--no-compile")))),
     Lesson("01_data_parallel", "nn.DataParallel",
            {"task1_1": "scatter_sizes", "task1_2": "scatter", "task1_3": "replicate",
             "task1_4": "gather", "task1_5": "reduce_gradients_into",
             "task1_6": "data_parallel_step"},
            (Script("train.py", smallest=QUICK, builds_on="00_single_gpu/train.py"),
-            Script("where_the_batch_goes.py", smallest=("--batch-size", "6", "--replicas", "2"))),
-           modules=("common.py",)),  # what its test files share
+            Script("where_the_batch_goes.py", smallest=("--batch-size", "6", "--replicas", "2")))),
     Lesson("02_model_parallel", "Model parallelism by hand",
            {"task2_1": "place_stages, staged_model", "task2_2": "pipelined_step",
             "task2_3": "bubble_fraction"},
            (Script("train.py", smallest=(*QUICK, "--micro-batches", "2"),
                    builds_on="00_single_gpu/train.py"),
             Script("pipeline_sweep.py", smallest=("--width", "16", "--batch-size", "8",
-                                                  "--micro-batches", "1,2", "--steps", "1"))),
-           modules=("common.py",)),  # what its test files share
+                                                  "--micro-batches", "1,2", "--steps", "1")))),
     Lesson("03_ddp", "DDP with torchrun",
            {"task3_1": "shard_indices", "task3_2": "setup", "task3_3": "average_gradients",
             "task3_4": "train_one_epoch", "task3_5": "GradientBuckets"},
            (Script("train_ddp.py", "torchrun", 2, QUICK, builds_on="00_single_gpu/train.py"),
             Script("train_spawn.py", smallest=("--nprocs", "2", *QUICK))),
-           # check_setup.py: its tests run setup() under torchrun; common.py: what they share
-           modules=("check_setup.py", "common.py")),
+           modules=("check_setup.py",)),  # its tests run setup() under torchrun
     Lesson("04_pitfalls", "Pitfalls and the doctor",
            {"task4_1": "exact_accuracy", "task4_2": "pick_device", "task4_3": "save_on_rank0",
             "task4_4": "train_with_join", "task4_5": "load_checkpoint",
@@ -101,15 +98,13 @@ COURSE: tuple[Lesson, ...] = (
             *_labs("01_set_epoch", "02_no_sampler", "03_padded_eval", "04_device_from_rank",
                    "05_rank0_collective", "06_uneven_inputs", "07_unused_parameters",
                    "08_module_forward", "09_checkpoints", "10_no_sync", "11_sum_loss",
-                   "12_random_state", "13_batchnorm", "14_notebooks", "15_print_once")),
-           modules=("common.py",)),  # what its test files share
+                   "12_random_state", "13_batchnorm", "14_notebooks", "15_print_once"))),
     Lesson("05_sharded_data_parallel", "Sharded data parallel: ZeRO and FSDP2",
            {"task5_1": "memory_per_rank",
             "task5_2": "reduce_scatter_mean, all_gather_pieces, Zero1Optimizer",
             "task5_3": "Zero2Optimizer",
             "task5_4": "shard_model", "task5_5": "AllGatherShard, Zero3Blocks"},
-           (Script("train_fsdp.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py"),),
-           modules=("common.py",)),  # what its test files share
+           (Script("train_fsdp.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py"),)),
     Lesson("06_tensor_parallel", "Tensor parallel: split layers, DTensor, 2-D",
            {"task6_1": "CopyToParallel, ReduceFromParallel",
             "task6_2": "ColumnParallelLinear, RowParallelLinear",
@@ -119,8 +114,7 @@ COURSE: tuple[Lesson, ...] = (
            # this lesson's. 210 lines: it also holds lesson 05's FSDP2, which 2-D parallel uses.
            (Script("train_tp.py", "torchrun", 2, QUICK,
                    builds_on="05_sharded_data_parallel/train_fsdp.py", max_changed=65,
-                   max_lines=210),),
-           modules=("common.py",)),  # what its test files share
+                   max_lines=210),)),
     Lesson("07_pipeline_parallel", "Pipeline parallel: stages, schedules, torch.pipelining",
            {"task7_1": "schedule", "task7_2": "StageRunner", "task7_3": "split_gpt",
             "task7_4": "torch_schedule, torch_step"},
@@ -128,7 +122,7 @@ COURSE: tuple[Lesson, ...] = (
            # the stages' busy clock are all this lesson's, and none fits into lesson 03's lines.
            (Script("train_pp.py", "torchrun", 2, (*QUICK, "--micro-batches", "2"),
                    builds_on="03_ddp/train_ddp.py", max_changed=75),),
-           modules=("simulator.py", "common.py")),  # schedules on paper; what its test files share
+           modules=("simulator.py",)),  # schedules on paper, for the tests and the walkthrough
     Lesson("08_measure_and_choose", "Measure and choose",
            {"task8_1": "bus_bandwidth, fit_alpha_beta",
             "task8_2": "predict_allreduce_seconds, ddp_buckets, predict_ddp_comm_seconds",
@@ -146,8 +140,7 @@ COURSE: tuple[Lesson, ...] = (
                    builds_on="03_ddp/train_ddp.py"),
             Script("scaling.py", "torchrun", 2,
                    ("--width", "32", "--blocks", "2", "--context", "16", "--batch-size", "4",
-                    "--steps", "1"))),
-           modules=("common.py",)),  # what its test files share
+                    "--steps", "1")))),
     Lesson("09_survive_and_scale_out", "Survive and scale out",
            {"task9_1": "ResumableSampler, save_training_state, load_training_state",
             "task9_2": "expand_nodelist, slurm_to_torchrun", "task9_3": "resume_point"},
@@ -164,8 +157,7 @@ COURSE: tuple[Lesson, ...] = (
             Script("find_a_hang.py", "torchrun", 2, ("--bug", "none", "--dump-after", "60")),
             Script("slurm_args.py", smallest=(
                 "--env", "SLURM_JOB_ID=1", "--env", "SLURM_JOB_NUM_NODES=2",
-                "--env", "SLURM_JOB_NODELIST=node[1-2]", "--env", "SLURM_GPUS_ON_NODE=4"))),
-           modules=("common.py",)),  # what its test files share
+                "--env", "SLURM_JOB_NODELIST=node[1-2]", "--env", "SLURM_GPUS_ON_NODE=4")))),
 )
 
 
