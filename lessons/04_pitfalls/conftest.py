@@ -1,7 +1,7 @@
 """Lesson 04's fixtures, shared by its test files: ``ex`` (the graded exercises) and
-``launches``, every real launch of the lesson (the notebook lab, the printing lab under torchrun,
-the doctor), that test_04_pitfalls.py's slow checks read. The launches start together, before
-the lesson's first test (in whichever file) when a selected test uses them: most of a launch is
+``launches``, every real launch of the lesson (the notebook lab, the doctor), that
+test_04_pitfalls.py's slow checks read. The launches start together, before the lesson's first
+test (in whichever file) when a selected test uses them: most of a launch is
 Python importing torch, which overlaps well, with each other and with the pooled checks' waits
 on a short process-group timeout.
 """
@@ -30,8 +30,6 @@ def launches():
     runs = {
         "notebook": start_script(NOTEBOOK_LAB, timeout=120),
         "notebook --fix": start_script(NOTEBOOK_LAB, "--fix", timeout=120),
-        "printing": start_script(f"lessons/{LESSON}/labs/15_print_once.py", launcher="torchrun",
-                                 nproc=2),
         "doctor": start_script(DOCTOR, "--timeout", "30", "--sizes", "1,4", launcher="torchrun",
                                nproc=2),
         "doctor, python": start_script(DOCTOR, "--timeout", "30"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness.collectives import CollectiveLog
-from harness.exercises import load_exercise
+from harness.exercises import load_exercise, raise_if_untouched
 from harness.ranks import run_on_ranks
 from lesson04.common import LESSON, TRUE_ACCURACY, lab
 
@@ -60,6 +60,7 @@ def exact_accuracy_on_rank(ctx):
 
 @pytest.mark.task4_1
 def test_exact_accuracy_counts_every_sample_once():
+    raise_if_untouched(load_exercise(LESSON).exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_on_rank)
     world = len(results)
     for rank, result in enumerate(results):
@@ -110,6 +111,7 @@ def exact_accuracy_seen_on_rank(ctx):
 
 @pytest.mark.task4_1
 def test_exact_accuracy_evaluates_the_strided_shard():
+    raise_if_untouched(load_exercise(LESSON).exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     world = len(results)
     for rank, result in enumerate(results):
@@ -122,6 +124,7 @@ def test_exact_accuracy_evaluates_the_strided_shard():
 
 @pytest.mark.task4_1
 def test_exact_accuracy_adds_the_counts_with_one_all_reduce():
+    raise_if_untouched(load_exercise(LESSON).exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     for rank, result in enumerate(results):
         assert result["collectives"] == ["all_reduce"], (
@@ -132,6 +135,7 @@ def test_exact_accuracy_adds_the_counts_with_one_all_reduce():
 
 @pytest.mark.task4_1
 def test_exact_accuracy_evaluates_under_no_grad():
+    raise_if_untouched(load_exercise(LESSON).exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     for rank, result in enumerate(results):
         recording = sum(result["grad_enabled"])

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.compare import assert_close, assert_parameters_close
-from harness.exercises import load_exercise
+from harness.exercises import load_exercise, raise_if_untouched
 from harness.ranks import group_params, run_on_ranks
 from lesson04.common import LESSON, lab, mse_of_output_and_target
 
@@ -88,6 +88,7 @@ def accumulation_problem(r: dict, k: int) -> str:
 @pytest.mark.task4_6
 @pytest.mark.parametrize("group", ACCUMULATION_GROUPS)
 def test_accumulate_gradients_syncs_once_and_equals_the_full_batch(group):
+    raise_if_untouched(load_exercise(LESSON).accumulate_gradients)  # not attempted: no ranks
     world, backend, device = group
     k = 4
     lab10 = lab("10_no_sync")
@@ -124,6 +125,7 @@ def accumulating_onto_earlier_gradients(ctx, k: int) -> dict:
 
 @pytest.mark.task4_6
 def test_accumulate_gradients_neither_zeroes_nor_steps():
+    raise_if_untouched(load_exercise(LESSON).accumulate_gradients)  # not attempted: no ranks
     k = 4
     results = run_on_ranks(accumulating_onto_earlier_gradients, k)
     lab10 = lab("10_no_sync")
