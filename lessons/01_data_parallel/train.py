@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -74,13 +73,10 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, device_ids=step_model.device_ids)
     for _ in range(epochs):
-        run.sync(device)  # start the clock with nothing still queued from before
-        start = time.perf_counter()
-        train_loss = train_one_epoch(step_model, train_loader, optimizer, device, amp)
-        run.sync(device)  # stop it only when the GPU has really finished the epoch
-        seconds = time.perf_counter() - start
+        with run.timed(device) as timer:  # the device's queued work included
+            train_loss = train_one_epoch(step_model, train_loader, optimizer, device, amp)
         val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
-        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds)
     return model, run.finish_result(result, log, model, dataset, device)
 
 
@@ -127,11 +123,7 @@ def main(argv=None) -> int:
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, device_ids=device_ids if device.type == "cuda" else None)
-    if args.checkpoint is not None:
-        run.save_checkpoint(model.state_dict(), args.checkpoint)
-    if args.result is not None:
-        run.write_result(result, args.result)
-    return 0
+    return run.end_run(args, result, model.state_dict())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,12 +39,6 @@ def split_across(model: GPT, devices) -> GPT:
     # records the copy, so backward sends their gradient back to devices[0] by itself.
     model.blocks[half].register_forward_pre_hook(lambda _, args: (args[0].to(devices[1]),))
     return model
-
-
-def sync_all(devices) -> None:
-    """gpt.run's sync for each device: a clock stops only when every one has finished."""
-    for device in devices:
-        run.sync(device)
 
 
 def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.device):
@@ -105,14 +98,11 @@ def fit(devices, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile)
     for _ in range(epochs):
-        sync_all(devices)  # start the clock with nothing still queued from before
-        start = time.perf_counter()
-        train_loss = train_one_epoch(step_model, train_loader, optimizer, devices, amp,
-                                     micro_batches)
-        sync_all(devices)  # stop it only when the GPU has really finished the epoch
-        seconds = time.perf_counter() - start
+        with run.timed(*devices) as timer:  # every device's queued work included
+            train_loss = train_one_epoch(step_model, train_loader, optimizer, devices, amp,
+                                         micro_batches)
         val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
-        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds)
     return model, run.finish_result(result, log, model, dataset, device)
 
 
@@ -138,11 +128,7 @@ def main(argv=None) -> int:
     model, result = fit(devices, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, micro_batches=args.micro_batches)
-    if args.checkpoint is not None:
-        run.save_checkpoint(model.state_dict(), args.checkpoint)
-    if args.result is not None:
-        run.write_result(result, args.result)
-    return 0
+    return run.end_run(args, result, model.state_dict())
 
 
 if __name__ == "__main__":

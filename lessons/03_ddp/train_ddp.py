@@ -11,9 +11,7 @@ during backward. --batch-size is per process: the global batch is world size x b
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -76,28 +74,21 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     where = (f"world size {dist.get_world_size()}, backend {dist.get_backend()}, global batch "
              f"{dist.get_world_size()} x {batch_size}")
     result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
-                              world_size=dist.get_world_size(), backend=dist.get_backend(),
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile)
     for epoch in range(1, epochs + 1):
-        run.sync(device)  # start the clock with nothing still queued from before
-        start = time.perf_counter()
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        train_loss = train_one_epoch(step_model, train_loader, optimizer, device, amp)
-        run.sync(device)  # stop it only when the GPU has really finished the epoch
-        seconds = time.perf_counter() - start
+        with run.timed(device) as timer:  # the device's queued work included
+            train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+            train_loss = train_one_epoch(step_model, train_loader, optimizer, device, amp)
         val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
-        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds)
     return model, run.finish_result(result, log, model, dataset, device)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                        help="auto (default): nccl with a GPU per process, else gloo")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    parser.add_argument("--local-rank", "--local_rank", type=int)  # torch.distributed.launch's
-    return run.add_common_arguments(parser).parse_args(argv)
+    return run.add_common_arguments(parser, launched=True).parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -111,14 +102,7 @@ def main(argv=None) -> int:
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, log=log)
-    if args.checkpoint is not None and rank == 0:  # the copies are equal: one writer is enough
-        run.save_checkpoint(model.state_dict(), args.checkpoint)
-    dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
-    gc.collect()  # DDP's reference cycles hold the group: free them before destroying it
-    dist.destroy_process_group()
-    if args.result is not None and rank == 0:
-        run.write_result(result, args.result)
-    return 0
+    return run.end_run(args, result, model.state_dict(), rank)
 
 
 if __name__ == "__main__":

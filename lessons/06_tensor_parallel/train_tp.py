@@ -11,10 +11,8 @@ and FSDP2 shards each slice across them. --batch-size is per row: the global bat
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -66,20 +64,6 @@ def train_one_epoch(model, loader, optimizer, device, amp=None) -> float:
     totals = torch.stack([loss_sum, torch.tensor(float(seen), device=device)])
     dist.all_reduce(totals)  # every rank's share of the epoch
     return (totals[0] / totals[1]).item()
-
-
-def state_bytes(model, optimizer, device: torch.device) -> dict[str, int]:
-    """Bytes of this process's shards (the DTensors' local parts) of the parameters, gradients
-    and optimizer state; on a GPU also the peak allocated, activations and buffers included."""
-    for module in (*model.blocks, model):  # free what a forward left gathered (the root, at
-        module.reshard()                     # least: backward would begin there)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    moments = [v for state in optimizer.state.values() for v in state.values() if v.dim()]
-    sizes = {name: sum(t.to_local().nbytes for t in tensors) for name, tensors in (
-        ("parameters", model.parameters()), ("gradients", grads), ("optimizer_state", moments))}
-    if device.type == "cuda":
-        sizes["peak_allocated"] = torch.cuda.max_memory_allocated(device)
-    return sizes
 
 
 def block_plan() -> dict:
@@ -140,43 +124,33 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     where = (f"world size {world_size} = dp {world_size // tp} x tp {tp}, backend "
              f"{dist.get_backend()}, global batch {world_size // tp} x {batch_size}")
     result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
-                              world_size=dist.get_world_size(), backend=dist.get_backend(),
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile,
                               reshard_after_forward=reshard_after_forward,
                               tp=tp, dp=world_size // tp)
     for epoch in range(1, epochs + 1):
-        run.sync(device)  # start the clock with nothing still queued from before
-        start = time.perf_counter()
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        train_loss = train_one_epoch(step_model, train_loader, optimizer, device, amp)
-        run.sync(device)  # stop it only when the GPU has really finished the epoch
-        seconds = time.perf_counter() - start
+        with run.timed(device) as timer:  # the device's queued work included
+            train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+            train_loss = train_one_epoch(step_model, train_loader, optimizer, device, amp)
         val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
-        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds)
     # Every rank's share of the state, then the whole model gathered on rank 0 (on the CPU).
-    result["bytes_per_rank"] = [None] * dist.get_world_size()
-    dist.all_gather_object(result["bytes_per_rank"], state_bytes(model, optimizer, device))
+    for module in (*model.blocks, model):  # free what a forward left gathered (the root, at
+        module.reshard()                     # least: backward would begin there)
+    result["bytes_per_rank"] = run.bytes_per_rank(model, optimizer, device, log)
     whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                  cpu_offload=True))
-    run.finish_result(result, log, model, dataset, device, weights=whole)
-    for rank, sizes in enumerate(result["bytes_per_rank"]):
-        log(f"rank {rank} stores " + ", ".join(f"{k.replace('_', ' ')} {v / 1e3:,.1f} kB"
-                                               for k, v in sizes.items()))
-    return whole, result
+    return whole, run.finish_result(result, log, model, dataset, device, weights=whole)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                        help="auto (default): nccl with a GPU per process, else gloo")
     parser.add_argument("--bf16", action="store_true", help="bfloat16: FSDP's policy, autocast")
     parser.add_argument("--tp", type=run.positive_int, help="tensor-parallel degree (default: all)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
                         default=True, help="free each block's gathered parameters after its "
                         "forward, gather again for backward (default; --no-...: keep them)")
-    parser.add_argument("--local-rank", "--local_rank", type=int)  # torch.distributed.launch's
-    return run.add_common_arguments(parser).parse_args(argv)
+    return run.add_common_arguments(parser, launched=True).parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -194,14 +168,7 @@ def main(argv=None) -> int:
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile,
                         reshard_after_forward=args.reshard_after_forward, tp=tp, log=log)
-    if args.checkpoint is not None and rank == 0:  # rank 0 holds the gathered whole model
-        run.save_checkpoint(whole, args.checkpoint)
-    dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
-    gc.collect()  # the model's reference cycles hold the group: free them before destroying it
-    dist.destroy_process_group()
-    if args.result is not None and rank == 0:
-        run.write_result(result, args.result)
-    return 0
+    return run.end_run(args, result, whole, rank)  # rank 0 holds the gathered whole model
 
 
 if __name__ == "__main__":

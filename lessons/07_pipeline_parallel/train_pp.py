@@ -10,7 +10,6 @@ sends activations forward, gradients back. --batch-size is the whole batch, read
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -103,21 +102,17 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
     where = f"{world_size} stage(s) of {per} block(s), batch {batch_size} in {micro_batches} pieces"
     result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
-                              world_size=dist.get_world_size(), backend=dist.get_backend(),
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, micro_batches=micro_batches)
     for epoch in range(1, epochs + 1):
-        run.sync(device)  # start the clock with nothing still queued from before
-        start = time.perf_counter()
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        train_loss = train_one_epoch(schedule, train_loader, optimizer, device, amp)
-        run.sync(device)  # stop it only when the GPU has really finished the epoch
-        seconds = time.perf_counter() - start
+        with run.timed(device) as timer:  # the device's queued work included
+            train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+            train_loss = train_one_epoch(schedule, train_loader, optimizer, device, amp)
         for owner, stage in enumerate(stages):  # each stage's trained weights to every rank,
             for p in stage.parameters():        # to evaluate and sample the whole model
                 dist.broadcast(p.data, src=owner)
         val_loss, val_accuracy = run.evaluate(model, val_loader, device, amp)
-        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds)
     result = run.finish_result(result, log, model, dataset, device)
     result["stages"] = [None] * world_size  # training only: run.evaluate() runs the whole model
     dist.all_gather_object(result["stages"], {"stage": rank, "busy_s": clock["busy"], "idle_s":
@@ -129,13 +124,10 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                        help="auto (default): nccl with a GPU per process, else gloo")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     parser.add_argument("--micro-batches", type=run.positive_int, default=4,
                         help="pieces per batch")
-    parser.add_argument("--local-rank", "--local_rank", type=int)  # torch.distributed.launch's
-    return run.add_common_arguments(parser).parse_args(argv)
+    return run.add_common_arguments(parser, launched=True).parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -156,14 +148,7 @@ def main(argv=None) -> int:
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, micro_batches=args.micro_batches, log=log)
-    if args.checkpoint is not None and rank == 0:  # the copies are equal: one writer is enough
-        run.save_checkpoint(model.state_dict(), args.checkpoint)
-    dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
-    gc.collect()  # the schedule's reference cycles hold the group: free them first
-    dist.destroy_process_group()
-    if args.result is not None and rank == 0:
-        run.write_result(result, args.result)
-    return 0
+    return run.end_run(args, result, model.state_dict(), rank)
 
 
 if __name__ == "__main__":

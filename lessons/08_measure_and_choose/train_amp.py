@@ -12,9 +12,7 @@ checkpoint holds it beside the weights. --bf16 needs no scaler (bf16 has fp32's 
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -85,35 +83,28 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     where = (f"world size {dist.get_world_size()}, backend {dist.get_backend()}, global batch "
              f"{dist.get_world_size()} x {batch_size}")
     result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
-                              world_size=dist.get_world_size(), backend=dist.get_backend(),
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile, fp16=fp16, comm_hook=comm_hook,
                               ddp_options=ddp_options or {})
     for epoch in range(1, epochs + 1):
-        run.sync(device)  # start the clock with nothing still queued from before
-        start = time.perf_counter()
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        train_loss = train_one_epoch(step_model, train_loader, optimizer, scaler, device, amp)
-        run.sync(device)  # stop it only when the GPU has really finished the epoch
-        seconds = time.perf_counter() - start
+        with run.timed(device) as timer:  # the device's queued work included
+            train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+            train_loss = train_one_epoch(step_model, train_loader, optimizer, scaler, device, amp)
         val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
-        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds)
     result["scaler"] = scaler.state_dict()  # empty when disabled
     return model, run.finish_result(result, log, model, dataset, device)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                        help="auto (default): nccl with a GPU per process, else gloo")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     parser.add_argument("--fp16", action="store_true", help="float16 autocast with a GradScaler")
     parser.add_argument("--comm-hook", default="none", choices=["none", "bf16"],
                         help="bf16: all-reduce the gradients in bfloat16")
     parser.add_argument("--bucket-cap-mb", type=run.positive_float, help="DDP's bucket size")
     parser.add_argument("--gradient-as-bucket-view", action="store_true")
-    parser.add_argument("--local-rank", "--local_rank", type=int)  # torch.distributed.launch's
-    return run.add_common_arguments(parser).parse_args(argv)
+    return run.add_common_arguments(parser, launched=True).parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -132,15 +123,8 @@ def main(argv=None) -> int:
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, fp16=args.fp16,
                         comm_hook=args.comm_hook, ddp_options=options, log=log)
-    if args.checkpoint is not None and rank == 0:  # the copies are equal: one writer is enough
-        run.save_checkpoint({"model": model.state_dict(), "scaler": result["scaler"]},
-                            args.checkpoint)
-    dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
-    gc.collect()  # DDP's reference cycles hold the group: free them before destroying it
-    dist.destroy_process_group()
-    if args.result is not None and rank == 0:
-        run.write_result(result, args.result)
-    return 0
+    weights = {"model": model.state_dict(), "scaler": result["scaler"]}
+    return run.end_run(args, result, weights, rank)
 
 
 if __name__ == "__main__":

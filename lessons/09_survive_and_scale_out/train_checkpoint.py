@@ -16,15 +16,12 @@ Started again, it resumes from the newest and ends bitwise equal to a run that n
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
-import time
 import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -96,8 +93,8 @@ def load_state(path: Path, parts: dict, device) -> dict:
 
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
-        compile: bool = False, fp16: bool = False, comm_hook: str = "none", ddp_options=None,
-        dropout: float = 0.0, checkpoint_dir: Path | None = None, log=print):
+        compile: bool = False, fp16: bool = False, dropout: float = 0.0,
+        checkpoint_dir: Path | None = None, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
@@ -108,11 +105,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     # Created after the move, so the optimizer's state is allocated on the device as well.
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * len(train_loader))
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    **(ddp_options or {}))
-    if comm_hook == "bf16":  # torch's hook, under a name DDP accepts on any build (lesson 08)
-        ddp_model.register_comm_hook(
-            None, lambda state, bucket: default_hooks.bf16_compress_hook(state, bucket))
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # The compiled module shares its parameters with `model`; we keep `model` for saving.
     step_model = torch.compile(ddp_model) if compile else ddp_model
     amp = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
@@ -121,10 +114,8 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     where = (f"world size {dist.get_world_size()}, backend {dist.get_backend()}, global batch "
              f"{dist.get_world_size()} x {batch_size}")
     result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
-                              world_size=dist.get_world_size(), backend=dist.get_backend(),
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
-                              lr=lr, bf16=bf16, compile=compile, fp16=fp16, comm_hook=comm_hook,
-                              ddp_options=ddp_options or {})
+                              lr=lr, bf16=bf16, compile=compile, fp16=fp16)
     torch.manual_seed(seed + dist.get_rank())  # each rank draws its own dropout masks
     parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     position = {"epoch": 1, "step": 0}  # the next epoch to train, the steps taken
@@ -133,15 +124,12 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
         position = load_state(resume, parts, device)
         log(f"resumed from {resume}: epoch {position['epoch']}, step {position['step']}")
     for epoch in range(position["epoch"], epochs + 1):
-        run.sync(device)  # start the clock with nothing still queued from before
-        start = time.perf_counter()
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        train_loss = train_one_epoch(step_model, train_loader, optimizer, scheduler, scaler,
-                                     device, amp)
-        run.sync(device)  # stop it only when the GPU has really finished the epoch
-        seconds = time.perf_counter() - start
+        with run.timed(device) as timer:  # the device's queued work included
+            train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+            train_loss = train_one_epoch(step_model, train_loader, optimizer, scheduler, scaler,
+                                         device, amp)
         val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
-        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, seconds, epoch)
+        run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds, epoch)
         position = {"epoch": epoch + 1, "step": position["step"] + len(train_loader)}
         if checkpoint_dir is not None:
             save_state(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
@@ -151,18 +139,11 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                        help="auto (default): nccl with a GPU per process, else gloo")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     parser.add_argument("--fp16", action="store_true", help="float16 autocast with a GradScaler")
-    parser.add_argument("--comm-hook", default="none", choices=["none", "bf16"],
-                        help="bf16: all-reduce the gradients in bfloat16")
-    parser.add_argument("--bucket-cap-mb", type=run.positive_float, help="DDP's bucket size")
-    parser.add_argument("--gradient-as-bucket-view", action="store_true")
     parser.add_argument("--checkpoint-dir", type=Path, help="resume from, and save into, here")
     parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--local-rank", "--local_rank", type=int)  # torch.distributed.launch's
-    return run.add_common_arguments(parser).parse_args(argv)
+    return run.add_common_arguments(parser, launched=True).parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -175,22 +156,12 @@ def main(argv=None) -> int:
         return run.refuse(__file__, err)
     torch.set_num_threads(args.threads)
     log = run.rank_zero_log(rank)  # progress from rank 0 only
-    options = {"gradient_as_bucket_view": args.gradient_as_bucket_view,
-               **({"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {})}
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, fp16=args.fp16,
-                        comm_hook=args.comm_hook, ddp_options=options, dropout=args.dropout,
-                        checkpoint_dir=args.checkpoint_dir, log=log)
-    if args.checkpoint is not None and rank == 0:  # the copies are equal: one writer is enough
-        run.save_checkpoint({"model": model.state_dict(), "scaler": result["scaler"]},
-                            args.checkpoint)
-    dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
-    gc.collect()  # DDP's reference cycles hold the group: free them before destroying it
-    dist.destroy_process_group()
-    if args.result is not None and rank == 0:
-        run.write_result(result, args.result)
-    return 0
+                        dropout=args.dropout, checkpoint_dir=args.checkpoint_dir, log=log)
+    weights = {"model": model.state_dict(), "scaler": result["scaler"]}
+    return run.end_run(args, result, weights, rank)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,12 @@ reader sees at a glance which lines are shared::
 - The loss and its measurement: :func:`next_char_loss`, :func:`evaluate`, :func:`sample`.
 - The data: :func:`windows`, the running example's train and validation windows.
 - The record of a run: :func:`begin_result`, :func:`record_epoch`, :func:`finish_result` build
-  the result every script returns and logs; :func:`write_result` writes it as JSON.
-- The command line: :func:`add_common_arguments` (the flags every script takes, spelt one way),
+  the result every script returns and logs; :func:`write_result` writes it as JSON;
+  :func:`timed` times an epoch; :func:`bytes_per_rank` reports what each rank stores.
+- The end of a run: :func:`end_run` saves the checkpoint and the result, and leaves the process
+  group (lesson 03 explains each line).
+- The command line: :func:`add_common_arguments` (the flags every script takes, spelt one way,
+  and with ``launched=True`` those of a script a launcher starts),
   :func:`positive_int`, :func:`positive_float`, :func:`refuse` (an error that names the script),
   :func:`rank_zero_log` (progress printed by one process only).
 - Files that must survive a crash and a power loss: :func:`save_checkpoint`,
@@ -29,18 +33,22 @@ reader sees at a glance which lines are shared::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import gc
 import json
 import math
 import os
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Subset
 
 from .data import CharDataset, train_val_split
@@ -121,6 +129,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Timer:
+    """What :func:`timed` yields: ``seconds`` is set when the block ends."""
+
+    seconds = 0.0
+
+
+@contextlib.contextmanager
+def timed(*devices: torch.device):
+    """Time the block, in seconds of the wall clock (``time.perf_counter``). The clock starts
+    with nothing still queued on ``devices`` from before, and stops only when they have really
+    finished the block's work (:func:`sync`; lesson 00 explains why both are needed)."""
+    timer = Timer()
+    for device in devices:
+        sync(device)
+    start = time.perf_counter()
+    yield timer
+    for device in devices:
+        sync(device)
+    timer.seconds = time.perf_counter() - start
+
+
 def windows(size: str, train_windows: int | None = None):
     """The running example's data for a model ``size``: (dataset, train windows, val windows).
     ``train_windows`` keeps only the first N training windows (a quick run)."""
@@ -171,12 +200,16 @@ def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
 
 def begin_result(log, device, where: str, model, dataset, train_set, val_set,
                  sample_length: int = 60, **settings) -> dict:
-    """Log what is about to run and start its record: the ``settings`` it was given, torch's
-    version, a sample of ``sample_length`` characters from the untrained model (the same length
-    again after training), and empty per-epoch lists."""
+    """Log what is about to run and start its record: the ``settings`` it was given (with the
+    group's world size and backend, once there is a process group), torch's version, a sample
+    of ``sample_length`` characters from the untrained model (the same length again after
+    training), and empty per-epoch lists."""
     log(f"device {device} ({where}), torch {torch.__version__}, {len(train_set)} train / "
         f"{len(val_set)} val windows of {dataset.block_size} characters, "
         f"{model.num_parameters():,} parameters, seed {settings.get('seed')}")
+    if dist.is_initialized():  # every process's run is part of one group's
+        settings = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
+                    **settings}
     result = {**settings, "device": str(device), "torch": torch.__version__,
               "train_samples": len(train_set), "sample_length": sample_length,
               "sample_before": sample(model, dataset, device, sample_length),
@@ -215,11 +248,50 @@ def finish_result(result: dict, log, model, dataset, device, weights=None) -> di
     return result
 
 
+def bytes_per_rank(model, optimizer, device, log=print) -> list[dict[str, int]]:
+    """What each rank stores, gathered from every rank (a collective: all must call it) and
+    logged: the bytes of its own part (a DTensor's local shard, else the whole tensor) of the
+    parameters, gradients and optimizer state, and on a GPU its peak allocated, activations and
+    buffers included. Call it with FSDP's parameters resharded: gathered ones count whole."""
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    moments = [v for state in optimizer.state.values() for v in state.values() if v.dim()]
+    sizes = {name: sum(own(t).nbytes for t in tensors) for name, tensors in (
+        ("parameters", model.parameters()), ("gradients", grads), ("optimizer_state", moments))}
+    if device.type == "cuda":
+        sizes["peak_allocated"] = torch.cuda.max_memory_allocated(device)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sizes)
+    for rank, stored in enumerate(every):
+        log(f"rank {rank} stores " + ", ".join(f"{k.replace('_', ' ')} {v / 1e3:,.1f} kB"
+                                               for k, v in stored.items()))
+    return every
+
+
 def write_result(result: dict, path: Path, log=print) -> None:
     """The result as JSON, for scripts and tests to read."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     log(f"result written to {path}")
+
+
+# --8<-- [start:end_run]
+def end_run(args: argparse.Namespace, result: dict, checkpoint=None, rank: int = 0) -> int:
+    """The end of every run: rank 0 saves ``checkpoint`` (what ``torch.save`` takes) to
+    ``--checkpoint`` and writes ``result`` to ``--result``. In a process group, every rank waits
+    until the checkpoint is complete, then leaves the group. Returns the exit code, 0."""
+    if args.checkpoint is not None and rank == 0:  # the copies are equal: one writer is enough
+        save_checkpoint(checkpoint, args.checkpoint)
+    if dist.is_initialized():
+        dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
+        gc.collect()  # DDP's (FSDP's) reference cycles hold the group: free them first
+        dist.destroy_process_group()
+    if args.result is not None and rank == 0:
+        write_result(result, args.result)
+    return 0
+# --8<-- [end:end_run]
 
 
 def save_checkpoint(state, path: Path, log=print) -> None:
@@ -246,8 +318,16 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags every training script of the course takes, each spelt one way."""
+def add_common_arguments(parser: argparse.ArgumentParser,
+                         launched: bool = False) -> argparse.ArgumentParser:
+    """The flags every training script of the course takes, each spelt one way; ``launched``:
+    also those of a script that a launcher starts (lesson 03 on): ``--backend`` for
+    :func:`setup`, and ``--local-rank`` (and ``--local_rank``), which the older
+    ``python -m torch.distributed.launch`` passes to every process (lesson 03)."""
+    if launched:
+        parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                            help="auto (default): nccl with a GPU per process, else gloo")
+        parser.add_argument("--local-rank", "--local_rank", type=int)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES),
                         help="tiny (default): 56k parameters; gpu: 14M, worth a GPU")
     parser.add_argument("--epochs", type=positive_int, default=3)
