@@ -853,6 +853,68 @@ def test_nccls_watchdog_names_the_collective_and_the_flight_recorder_reads_its_b
             assert data.find(text) != -1, text
 
 
+def fr_recording_on_rank(ctx, collectives: int) -> dict:
+    """``collectives`` all-reduces and a send on a new group, then this rank's flight-recorder
+    entries of that group, as ``_dump_fr_trace`` gives them, and the whole dump."""
+    import pickle
+
+    group = dist.new_group(list(range(ctx.world_size)))
+    tensor = torch.ones(3)
+    for _ in range(collectives):
+        dist.all_reduce(tensor, group=group)
+    if ctx.world_size > 1:
+        (dist.send if ctx.rank == 0 else dist.recv)(tensor, 1 - ctx.rank, group=group)
+    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    dist.destroy_process_group(group)
+    return {"entries": [e for e in dump["entries"] if e["process_group"][0] == group.group_name],
+            "dump": dump}
+
+
+@pytest.mark.timeout(120)
+def test_the_flight_recorder_records_gloo_collectives_and_fr_trace_cannot_read_them(tmp_path):
+    """09 README, the flight recorder: "2000 of them by default on torch 2.13 and 2.14";
+    "`TORCH_FR_BUFFER_SIZE=N` for another number (`TORCH_NCCL_TRACE_BUFFER_SIZE` in older
+    releases, still read)"; each entry holds the group, the sequence number in that group, the
+    name (`gloo:all_reduce`) and the input sizes; "gloo ranks record too (their sends and
+    receives excepted)"; "`fr_trace` cannot read a gloo dump: it looks the groups up in the
+    dump's `pg_config`, where gloo lists none, and stops with a `KeyError`"."""
+    import pickle
+    import sys
+
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if version < (2, 13):
+        pytest.skip(f"torch {torch.__version__}: the text states what 2.13 and newer do")
+    results = run_on_ranks(fr_recording_on_rank, 2, timeout=30)
+    for result in results:
+        assert [(e["collective_seq_id"], e["profiling_name"], e["input_sizes"])
+                for e in result["entries"]] == [(1, "gloo:all_reduce", [[3]]),
+                                                (2, "gloo:all_reduce", [[3]])], result["entries"]
+    recorded = [e["profiling_name"] for r in results for e in r["dump"]["entries"]]
+    assert not any("send" in name or "recv" in name for name in recorded), recorded
+    names = {name for r in results for name in r["dump"]["pg_config"]}
+    assert results[0]["entries"][0]["process_group"][0] not in names, names
+    for rank, result in enumerate(results):
+        (tmp_path / f"rank{rank}").write_bytes(pickle.dumps(result["dump"]))
+    from torch.distributed.flight_recorder import fr_trace
+
+    with pytest.raises(KeyError):
+        fr_trace.main([str(tmp_path), "--prefix", "rank"])
+    count = ("import os, pickle, torch, torch.distributed as dist\n"
+             "store = dist.TCPStore('127.0.0.1', 0, 1, is_master=True)\n"
+             "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+             "for _ in range(2010): dist.all_reduce(torch.ones(1))\n"
+             "print(len(pickle.loads(torch._C._distributed_c10d._dump_fr_trace())['entries']))\n"
+             "dist.destroy_process_group()\n")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
+    for extra, expected in (({}, 2000), ({"TORCH_FR_BUFFER_SIZE": "7"}, 7),
+                            ({"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"}, 5)):
+        run = subprocess.run([sys.executable, "-c", count], env={**clean, **extra},
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert int(run.stdout.split()[-1]) == expected, (extra, run.stdout)
+
+
 def test_monitored_barrier_is_for_gloo_and_detail_wraps_new_groups():
     """09 README, finding a hang: "`monitored_barrier` (gloo only ...)" and "with
     TORCH_DISTRIBUTED_DEBUG=DETAIL, torch wraps every process group" (the lesson's own test

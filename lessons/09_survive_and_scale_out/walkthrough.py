@@ -19,6 +19,7 @@
 
 # %%
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -132,3 +133,23 @@ job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "5", "SLURM_GPUS_ON_NODE":
 for node in ("node01", "node07"):
     print(node, " ".join(slurm_args.slurm_to_torchrun({**job, "SLURMD_NODENAME": node})))
 shutil.rmtree(folder)
+
+# %% [markdown]
+# ## 6. What the flight recorder keeps
+#
+# Every process keeps its newest collectives (2000 by default from torch 2.13;
+# `TORCH_FR_BUFFER_SIZE` sets the number). A group of one here, three collectives, and its
+# record: group, sequence number in that group, name, input sizes. Task9_4 compares such
+# records across ranks and names the first collective they disagree on.
+
+# %%
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+values = torch.ones(4)
+dist.all_reduce(values)
+dist.broadcast(values, src=0)
+dist.all_reduce(values[:2])
+for entry in pickle.loads(torch._C._distributed_c10d._dump_fr_trace())["entries"][-3:]:
+    print(entry["process_group"], entry["collective_seq_id"], entry["profiling_name"],
+          entry["input_sizes"])
+dist.destroy_process_group()

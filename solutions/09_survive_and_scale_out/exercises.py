@@ -293,3 +293,62 @@ def resume_point(checkpoints: str | os.PathLike) -> Path | None:
             candidates.append((int(match.group(1)), entry))
     return max(candidates)[1] if candidates else None
 # --8<-- [end:resume_point]
+
+
+# --8<-- [start:first_mismatch]
+def first_mismatch(records: dict[int, list[dict]],
+                   groups: dict[str, list[int]] | None = None) -> dict | None:
+    """Where the ranks' collectives first disagree, from every rank's flight-recorder entries.
+
+    ``records[rank]`` is that rank's list of entries, oldest first: the ``"entries"`` of its
+    dump, ``pickle.loads(torch._C._distributed_c10d._dump_fr_trace())``. The keys used here:
+    ``"process_group"`` (a pair, the group's name first: ``"0"`` is the default group),
+    ``"collective_seq_id"`` (1, 2, ... on each rank, counted per group),
+    ``"profiling_name"`` (``"gloo:all_reduce"``, ``"nccl:broadcast"``, ...) and
+    ``"input_sizes"`` (a list of shapes). ``groups`` maps a group's name to its member ranks;
+    a group it does not name (every group, when it is None) has every rank of ``records``.
+
+    Within a group, every member must record the same collective (the same
+    ``profiling_name`` and ``input_sizes``) under each sequence id. A member that has no entry
+    under an id another member recorded has missed that collective, unless the id is older
+    than its oldest entry of that group: the recorder keeps only the newest entries, so what it
+    dropped is unknown, not missed. Sends and receives are not compared: they are numbered
+    apart (``"p2p_seq_id"``), and their name's operation is ``send`` or ``recv``
+    (``"nccl:send 0->1"``, ``"nccl:recv 1<-0"``).
+
+    Returns None when every group agrees. Otherwise the first disagreement, the one with the
+    smallest sequence id (between groups, the group whose name sorts first), as
+    ``{"process_group": name, "seq_id": id, "calls": {rank: call}}``: ``call`` is the member's
+    ``(profiling_name, input_sizes)``, sizes as tuples, or None where it missed the collective;
+    a member for which the id is unknown is left out. The test sweeps generated records with
+    one planted divergence (a rank that misses a collective, a different operation, different
+    sizes), dropped old entries, subgroups and sends.
+    """
+    calls: dict[str, dict[int, dict[int, tuple]]] = {}  # group -> rank -> seq id -> call
+    for rank, entries in records.items():
+        for entry in entries:
+            operation = entry["profiling_name"].split(":", 1)[-1].split(" ")[0]
+            if operation in ("send", "recv"):  # point-to-point: numbered apart
+                continue
+            seq = entry["collective_seq_id"]
+            call = (entry["profiling_name"], tuple(tuple(size) for size in entry["input_sizes"]))
+            calls.setdefault(entry["process_group"][0], {}).setdefault(rank, {}).setdefault(
+                seq, call)
+    found = []
+    for name, by_rank in calls.items():
+        members = (groups or {}).get(name, list(records))
+        for seq in sorted({seq for recorded in by_rank.values() for seq in recorded}):
+            seen = {}
+            for rank in members:
+                recorded = by_rank.get(rank, {})
+                if recorded and seq < min(recorded):
+                    continue  # dropped from this rank's buffer: unknown
+                seen[rank] = recorded.get(seq)
+            if len(set(seen.values())) > 1:
+                found.append((seq, name, seen))
+                break
+    if not found:
+        return None
+    seq, name, seen = min(found, key=lambda item: (item[0], item[1]))
+    return {"process_group": name, "seq_id": seq, "calls": seen}
+# --8<-- [end:first_mismatch]

@@ -142,7 +142,8 @@ COURSE: tuple[Lesson, ...] = (
                     "--steps", "1")))),
     Lesson("09_survive_and_scale_out", "Survive and scale out",
            {"task9_1": "ResumableSampler, save_training_state, load_training_state",
-            "task9_2": "expand_nodelist, slurm_to_torchrun", "task9_3": "resume_point"},
+            "task9_2": "expand_nodelist, slurm_to_torchrun", "task9_3": "resume_point",
+            "task9_4": "first_mismatch"},
            # 65 changed: the checkpoint (save_state, load_state, resume_point), and lesson 08's
            # communication flags taken out (--comm-hook, --bucket-cap-mb, ...): it needs none.
            (Script("train_checkpoint.py", "torchrun", 2, QUICK,
