@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import importlib.metadata
 import inspect
 import io
 import os
@@ -834,14 +835,18 @@ def test_nccls_watchdog_names_the_collective_and_the_flight_recorder_reads_its_b
     """09 README, finding a hang: the watchdog logs "Watchdog caught collective operation
     timeout: WorkNCCL(SeqNum=..., OpType=..., NumelIn=..., ...)" and "To avoid data
     inconsistency, we are taking the entire process down"; `TORCH_FR_BUFFER_SIZE`
-    (`TORCH_NCCL_TRACE_BUFFER_SIZE` in older releases); `torch.distributed.flight_recorder.
-    fr_trace` is torch's analyser."""
+    (`TORCH_NCCL_TRACE_BUFFER_SIZE` in older releases); "with `TORCH_NCCL_DUMP_ON_TIMEOUT=1`";
+    `torch.distributed.flight_recorder.fr_trace` (or `torchfrtrace`) is torch's analyser, and
+    "reports where the first mismatch occurs"."""
     import mmap
     from pathlib import Path
 
     from torch.distributed.flight_recorder import fr_trace
 
     assert callable(fr_trace.main)
+    assert "where the first mismatch occurs" in " ".join(fr_trace.__doc__.split())
+    assert any(entry.name == "torchfrtrace"
+               for entry in importlib.metadata.distribution("torch").entry_points)
     library = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
     if not library.is_file():
         pytest.skip("this torch is a CPU build: no NCCL process group to ask")
@@ -849,7 +854,8 @@ def test_nccls_watchdog_names_the_collective_and_the_flight_recorder_reads_its_b
                                                   access=mmap.ACCESS_READ) as data:
         for text in (b"Watchdog caught collective operation timeout", b"SeqNum=", b"OpType=",
                      b"NumelIn=", b"To avoid data inconsistency, we are taking the entire "
-                     b"process down", b"TORCH_FR_BUFFER_SIZE", b"TORCH_NCCL_TRACE_BUFFER_SIZE"):
+                     b"process down", b"TORCH_FR_BUFFER_SIZE", b"TORCH_NCCL_TRACE_BUFFER_SIZE",
+                     b"TORCH_NCCL_DUMP_ON_TIMEOUT"):
             assert data.find(text) != -1, text
 
 

@@ -201,15 +201,17 @@ def first_mismatch(records: dict[int, list[dict]],
     a group it does not name (every group, when it is None) has every rank of ``records``.
 
     Within a group, every member must record the same collective (the same
-    ``profiling_name`` and ``input_sizes``) under each sequence id. A member that has no entry
-    under an id another member recorded has missed that collective, unless the id is older
-    than its oldest entry of that group: the recorder keeps only the newest entries, so what it
-    dropped is unknown, not missed. Sends and receives are not compared: they are numbered
+    ``profiling_name`` and ``input_sizes``) under each sequence id; where a rank holds several
+    entries under one id, its first counts. A member that has no entry under an id another
+    member recorded has missed that collective, unless the id is older than its oldest entry of
+    that group: the recorder keeps only the newest entries, so what it dropped is unknown, not
+    missed. A member with no entry of the group at all (none in ``records``, even) has missed
+    all of them. Sends and receives are not compared: they are numbered
     apart (``"p2p_seq_id"``), and their name's operation is ``send`` or ``recv``
     (``"nccl:send 0->1"``, ``"nccl:recv 1<-0"``).
 
     Returns None when every group agrees. Otherwise the first disagreement, the one with the
-    smallest sequence id (between groups, the group whose name sorts first), as
+    smallest sequence id (between groups, the group whose name sorts first, as a string), as
     ``{"process_group": name, "seq_id": id, "calls": {rank: call}}``: ``call`` is the member's
     ``(profiling_name, input_sizes)``, sizes as tuples, or None where it missed the collective;
     a member for which the id is unknown is left out. The test sweeps generated records with

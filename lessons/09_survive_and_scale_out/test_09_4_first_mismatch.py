@@ -42,7 +42,11 @@ CLAUSES = {
             "test_first_mismatch_finds_the_planted_divergence",
             "test_first_mismatch_counts_only_a_groups_members"],
         "None when every group agrees": ["test_first_mismatch_is_none_when_the_ranks_agree"],
-        "the smallest sequence id first; between groups, the name that sorts first": [
+        "a rank's first entry under an id counts": [
+            "test_first_mismatch_takes_a_ranks_first_entry_under_an_id"],
+        "a member with no entry of the group at all has missed all of them": [
+            "test_first_mismatch_counts_a_member_without_records_as_missing_all"],
+        "the smallest sequence id first; between groups, the name that sorts first (string)": [
             "test_first_mismatch_takes_the_smallest_sequence_id_then_the_group_name"],
         "the result: process_group, seq_id, calls; sizes as tuples; unknown members left out": [
             "test_first_mismatch_finds_the_planted_divergence",
@@ -54,18 +58,28 @@ OPS = ("gloo:all_reduce", "gloo:broadcast", "gloo:all_gather", "gloo:reduce_scat
 SIZES = ([[4]], [[2, 3]], [[8], [8]])
 
 
-def entry(group: str, seq: int, op: str = "gloo:all_reduce", sizes=([4],)) -> dict:
-    """One flight-recorder entry, with the keys a real gloo dump has."""
+def entry(group: str, seq: int, op: str = "gloo:all_reduce", sizes=([4],), p2p: int = 0) -> dict:
+    """One flight-recorder entry, with the keys a real dump has. ``p2p``: the rank's count of
+    sends and receives so far, which the recorder stores on every entry, collectives too."""
     return {"record_id": 0, "process_group": (group, "default_pg" if group == "0" else "undefined"),
-            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": op,
+            "collective_seq_id": seq, "p2p_seq_id": p2p, "op_id": seq, "profiling_name": op,
             "input_sizes": [list(size) for size in sizes], "state": "scheduled"}
 
 
-def send(seq: int, op: str) -> dict:
-    """A send or a receive as NCCL records it: a name with the peers, its own p2p_seq_id; its
-    collective_seq_id any number (the test draws it)."""
+def send(seq: int, op: str, p2p: int = 1) -> dict:
+    """A send or a receive as NCCL records it: a name with the peers, its p2p_seq_id (``p2p``),
+    and as collective_seq_id the rank's count of collectives so far (any number here)."""
     name = {"send": "nccl:send 0->1", "recv": "nccl:recv 1<-0"}[op.split(":")[-1]]
-    return {**entry("0", seq, name), "p2p_seq_id": 1 + seq % 3}
+    return entry("0", seq, name, p2p=p2p)
+
+
+def number_sends(records: dict) -> None:
+    """Set every entry's p2p_seq_id to its rank's count of sends and receives up to it."""
+    for entries in records.values():
+        count = 0
+        for item in entries:
+            count += item["profiling_name"].startswith("nccl:")
+            item["p2p_seq_id"] = count
 
 
 def call(op: str = "gloo:all_reduce", sizes=([4],)) -> tuple:
@@ -144,13 +158,39 @@ def test_first_mismatch_treats_dropped_entries_as_unknown(ex):
 
 
 @pytest.mark.task9_4
+def test_first_mismatch_takes_a_ranks_first_entry_under_an_id(ex):
+    records = {0: [entry("0", 1), entry("0", 2), entry("0", 2, "gloo:broadcast")],
+               1: [entry("0", 1), entry("0", 2)]}
+    grade(ex, records, expected=None,
+          why="rank 0 holds two entries under id 2: its first, an all_reduce, counts, and it "
+              "is rank 1's too")
+
+
+@pytest.mark.task9_4
+def test_first_mismatch_counts_a_member_without_records_as_missing_all(ex):
+    records = {0: [entry("0", 1), entry("1", 1)], 1: [entry("0", 1), entry("1", 1)]}
+    grade(ex, records, {"0": [0, 1], "1": [0, 1, 2]},
+          expected={"process_group": "1", "seq_id": 1, "calls": {0: call(), 1: call(), 2: None}},
+          why="rank 2 is a member of group '1' (groups says so) but has no entry at all: it "
+              "missed the group's collective 1")
+
+
+@pytest.mark.task9_4
 def test_first_mismatch_ignores_sends_and_receives(ex):
-    records = {0: [entry("0", 1), send(1, "send"), entry("0", 2), send(2, "send")],
-               1: [entry("0", 1), send(1, "recv"), send(2, "recv"), send(0, "recv"),
-                   entry("0", 2)]}
+    # A pipeline's first exchange: rank 0 sends, rank 1 receives, before any collective (the
+    # recorder numbers them with the collectives so far: 0).
+    records = {0: [send(0, "send"), entry("0", 1), entry("0", 2)],
+               1: [send(0, "recv"), entry("0", 1), entry("0", 2)]}
+    number_sends(records)
     grade(ex, records, expected=None,
           why="the entries named nccl:send and nccl:recv are sends and receives, numbered "
               "apart (p2p_seq_id): they are not compared, whatever their collective_seq_id")
+    records = {0: [entry("0", 1), send(1, "send"), entry("0", 2)],
+               1: [entry("0", 1), entry("0", 2), send(2, "recv")]}
+    number_sends(records)  # rank 0's collective 2 comes after a send: its p2p_seq_id is 1
+    grade(ex, records, expected=None,
+          why="sends and receives, numbered apart, are told by their name (send, recv): a "
+              "collective after one carries a p2p_seq_id too, and is still compared")
 
 
 @pytest.mark.task9_4
@@ -183,6 +223,12 @@ def test_first_mismatch_takes_the_smallest_sequence_id_then_the_group_name(ex):
                     "calls": {0: call("gloo:broadcast"), 1: call()}},
           why="group '1' disagrees at sequence id 2 and group '0' only at 3: the smallest id "
               "first, whatever the group's name")
+    records = {rank: [entry(name, 1, "gloo:broadcast" if rank else "gloo:all_reduce")
+                      for name in ("9", "10")] for rank in (0, 1)}
+    grade(ex, records,
+          expected={"process_group": "10", "seq_id": 1,
+                    "calls": {0: call(), 1: call("gloo:broadcast")}},
+          why="groups '9' and '10' both disagree at id 1: as strings, '10' sorts first")
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -242,6 +288,7 @@ def planted(draw):
             where = draw(st.integers(0, len(records[rank])))
             records[rank].insert(where, send(draw(st.integers(0, 9)),
                                              draw(st.sampled_from(("send", "recv")))))
+    number_sends(records)
     for rank in ranks:  # a full buffer: the oldest entries are gone
         entries = records[rank]
         same_group = [i for i, e in enumerate(entries)

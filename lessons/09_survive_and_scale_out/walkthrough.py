@@ -137,7 +137,7 @@ shutil.rmtree(folder)
 # %% [markdown]
 # ## 6. What the flight recorder keeps
 #
-# Every process keeps its newest collectives (2000 by default from torch 2.13;
+# Every process keeps its newest collectives (2000 by default on torch 2.13 and 2.14;
 # `TORCH_FR_BUFFER_SIZE` sets the number). A group of one here, three collectives, and its
 # record: group, sequence number in that group, name, input sizes. Task9_4 compares such
 # records across ranks and names the first collective they disagree on.

@@ -12,7 +12,8 @@ def first_mismatch(records: dict[int, list[dict]],
         for entry in entries:
             seq = entry["collective_seq_id"]
             call = (entry["profiling_name"], tuple(tuple(size) for size in entry["input_sizes"]))
-            calls.setdefault(entry["process_group"][0], {}).setdefault(rank, {})[seq] = call
+            calls.setdefault(entry["process_group"][0], {}).setdefault(rank, {}).setdefault(
+                seq, call)
     found = []
     for name, by_rank in calls.items():
         members = (groups or {}).get(name, list(records))
