@@ -364,6 +364,21 @@ def test_a_wrong_answer_replaces_functions_and_only_the_methods_it_defines():
         with_wrong_answer(solution, "def g():\n    pass\n")
 
 
+
+def test_a_wrong_answer_may_replace_one_line_of_the_reference():
+    from course.selfcheck import with_wrong_answer
+
+    solution = "def f(x):\n    y = x + 1\n    return y * 2\n\n\ndef g(x):\n    return x + 1\n"
+    wrong = 'TASK = "task9_1"\nREPLACE = {"f": [("x + 1", "x - 1"), ("* 2", "* 3")]}\n'
+    namespace: dict = {}
+    exec(with_wrong_answer(solution, wrong), namespace)  # noqa: S102 - our own test source
+    assert namespace["f"](1) == 0 and namespace["g"](1) == 2, "only f changes"
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        with_wrong_answer(solution, 'REPLACE = {"f": [("x + 2", "x")]}\n')
+    with pytest.raises(ValueError, match="which the solution does not define"):
+        with_wrong_answer(solution, 'REPLACE = {"h": [("x", "y")]}\n')
+
+
 # --------------------------------------------------------------------------------------------
 # course.forkserver: graded runs forked from a server that has imported torch once.
 

@@ -8,6 +8,10 @@ Every file ``tests/wrong_answers/<lesson>/<task>_<what>.py`` is one wrong answer
 
     def average_gradients(model): ...        # replaces the same-named function in the solution
 
+or, for a mistake of a line or two, that change alone (``course.selfcheck.with_wrong_answer``):
+
+    REPLACE = {"average_gradients": [("p.grad /= world", "pass")]}
+
 Each is put into a scratch copy of the course (the reference solution with that one function or
 class replaced) and graded there in learner mode with ``pytest lessons/<lesson> -m <task> -x``.
 It must fail, and its first failure (the message a learner reads first) must say what is

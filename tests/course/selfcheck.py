@@ -117,18 +117,41 @@ def _span(node: ast.stmt) -> tuple[int, int]:
     return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno
 
 
+def _replacements(wrong_tree: ast.Module) -> dict[str, list[tuple[str, str]]]:
+    """The wrong answer's ``REPLACE = {name: [(old, new), ...]}``, or nothing."""
+    for node in wrong_tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "REPLACE"):
+            return ast.literal_eval(node.value)
+    return {}
+
+
 def with_wrong_answer(solution_source: str, wrong_source: str) -> str:
     """The solution with the wrong answer's definitions put in place of the same-named ones.
 
     A function replaces the solution's function. A class replaces only the methods it defines
     (so a wrong answer shows just the method that is wrong); the rest of the solution's class
-    stays. The wrong answer's own top-level imports are added after the solution's imports; its
-    other top-level statements (its docstring, TASK, EXPECT) are not copied.
+    stays. A wrong answer that differs from the reference by a line or two says so instead:
+    ``REPLACE = {"name": [(old, new), ...]}`` replaces, in the solution's definition of
+    ``name``, each text ``old`` (which must occur there exactly once) with ``new``. The wrong
+    answer's own top-level imports are added after the solution's imports; its other top-level
+    statements (its docstring, TASK, EXPECT) are not copied.
     """
     solution_tree, wrong_tree = ast.parse(solution_source), ast.parse(wrong_source)
     lines, wrong_lines = solution_source.splitlines(), wrong_source.splitlines()
     targets = _replaced(solution_tree)
     edits: list[tuple[int, int, list[str]]] = []  # (first line, last line, new lines), 1-based
+    for name, pairs in _replacements(wrong_tree).items():
+        if name not in targets:
+            raise ValueError(f"REPLACE names {name!r}, which the solution does not define")
+        start, end = _span(targets[name])
+        text = "\n".join(lines[start - 1:end])
+        for old, new in pairs:
+            if text.count(old) != 1:
+                raise ValueError(f"REPLACE's {old!r} occurs {text.count(old)} times in the "
+                                 f"solution's {name}, not once")
+            text = text.replace(old, new)
+        edits.append((start, end, text.split("\n")))
 
     def replace(old: ast.stmt, new: ast.stmt) -> None:
         (start, end), (new_start, new_end) = _span(old), _span(new)
@@ -148,7 +171,8 @@ def with_wrong_answer(solution_source: str, wrong_source: str) -> str:
         else:
             replace(old, node)
     if not edits:
-        raise ValueError("the wrong answer defines no function or class to put in the solution")
+        raise ValueError("the wrong answer defines no function or class to put in the solution, "
+                         "and no REPLACE")
     imports = [line for node in wrong_tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
                for line in wrong_lines[node.lineno - 1:node.end_lineno]]
     last_import = max((n.end_lineno for n in solution_tree.body
