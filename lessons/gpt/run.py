@@ -282,7 +282,8 @@ def end_run(args: argparse.Namespace, result: dict, checkpoint=None, rank: int =
     """The end of every run: rank 0 saves ``checkpoint`` (what ``torch.save`` takes) to
     ``--checkpoint`` and writes ``result`` to ``--result``. In a process group, every rank waits
     until the checkpoint is complete, then leaves the group. Returns the exit code, 0."""
-    if args.checkpoint is not None and rank == 0:  # the copies are equal: one writer is enough
+    # One writer: DDP's copies are equal; a sharded run gathered the whole model on rank 0.
+    if args.checkpoint is not None and rank == 0:
         save_checkpoint(checkpoint, args.checkpoint)
     if dist.is_initialized():
         dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
