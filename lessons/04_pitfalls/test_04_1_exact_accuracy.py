@@ -59,8 +59,8 @@ def exact_accuracy_on_rank(ctx):
 
 
 @pytest.mark.task4_1
-def test_exact_accuracy_counts_every_sample_once():
-    raise_if_untouched(load_exercise(LESSON).exact_accuracy)  # not attempted: no ranks
+def test_exact_accuracy_counts_every_sample_once(ex):
+    raise_if_untouched(ex.exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_on_rank)
     world = len(results)
     for rank, result in enumerate(results):
@@ -110,8 +110,8 @@ def exact_accuracy_seen_on_rank(ctx):
 
 
 @pytest.mark.task4_1
-def test_exact_accuracy_evaluates_the_strided_shard():
-    raise_if_untouched(load_exercise(LESSON).exact_accuracy)  # not attempted: no ranks
+def test_exact_accuracy_evaluates_the_strided_shard(ex):
+    raise_if_untouched(ex.exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     world = len(results)
     for rank, result in enumerate(results):
@@ -123,8 +123,8 @@ def test_exact_accuracy_evaluates_the_strided_shard():
 
 
 @pytest.mark.task4_1
-def test_exact_accuracy_adds_the_counts_with_one_all_reduce():
-    raise_if_untouched(load_exercise(LESSON).exact_accuracy)  # not attempted: no ranks
+def test_exact_accuracy_adds_the_counts_with_one_all_reduce(ex):
+    raise_if_untouched(ex.exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     for rank, result in enumerate(results):
         assert result["collectives"] == ["all_reduce"], (
@@ -134,8 +134,8 @@ def test_exact_accuracy_adds_the_counts_with_one_all_reduce():
 
 
 @pytest.mark.task4_1
-def test_exact_accuracy_evaluates_under_no_grad():
-    raise_if_untouched(load_exercise(LESSON).exact_accuracy)  # not attempted: no ranks
+def test_exact_accuracy_evaluates_under_no_grad(ex):
+    raise_if_untouched(ex.exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     for rank, result in enumerate(results):
         recording = sum(result["grad_enabled"])

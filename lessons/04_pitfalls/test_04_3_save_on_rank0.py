@@ -91,8 +91,8 @@ def readable(path: Path):
 
 @pytest.mark.task4_3
 @pytest.mark.parametrize("as_text", [False, True], ids=["Path", "str"])
-def test_save_on_rank0_writes_once_atomically_and_everyone_waits(tmp_path, as_text):
-    raise_if_untouched(load_exercise(LESSON).save_on_rank0)  # not attempted: no ranks
+def test_save_on_rank0_writes_once_atomically_and_everyone_waits(ex, tmp_path, as_text):
+    raise_if_untouched(ex.save_on_rank0)  # not attempted: no ranks
     try:
         results = run_on_ranks(saving_on_rank, str(tmp_path), as_text=as_text,
                                pg_timeout=GRADE_TIMEOUT, timeout=40)

@@ -55,8 +55,8 @@ def joining_on_rank(ctx) -> dict:
 
 
 @pytest.mark.task4_4
-def test_train_with_join_trains_every_batch_without_hanging():
-    raise_if_untouched(load_exercise(LESSON).train_with_join)  # not attempted: no ranks
+def test_train_with_join_trains_every_batch_without_hanging(ex):
+    raise_if_untouched(ex.train_with_join)  # not attempted: no ranks
     try:
         results = run_on_ranks(joining_on_rank, pg_timeout=GRADE_TIMEOUT, timeout=40)
     except RankError as error:

@@ -87,8 +87,8 @@ def accumulation_problem(r: dict, k: int) -> str:
 
 @pytest.mark.task4_6
 @pytest.mark.parametrize("group", ACCUMULATION_GROUPS)
-def test_accumulate_gradients_syncs_once_and_equals_the_full_batch(group):
-    raise_if_untouched(load_exercise(LESSON).accumulate_gradients)  # not attempted: no ranks
+def test_accumulate_gradients_syncs_once_and_equals_the_full_batch(ex, group):
+    raise_if_untouched(ex.accumulate_gradients)  # not attempted: no ranks
     world, backend, device = group
     k = 4
     lab10 = lab("10_no_sync")
@@ -124,8 +124,8 @@ def accumulating_onto_earlier_gradients(ctx, k: int) -> dict:
 
 
 @pytest.mark.task4_6
-def test_accumulate_gradients_neither_zeroes_nor_steps():
-    raise_if_untouched(load_exercise(LESSON).accumulate_gradients)  # not attempted: no ranks
+def test_accumulate_gradients_neither_zeroes_nor_steps(ex):
+    raise_if_untouched(ex.accumulate_gradients)  # not attempted: no ranks
     k = 4
     results = run_on_ranks(accumulating_onto_earlier_gradients, k)
     lab10 = lab("10_no_sync")

@@ -50,8 +50,8 @@ def broadcasting_on_rank(ctx, src: int) -> dict:
 
 @pytest.mark.task4_7
 @pytest.mark.parametrize("src", [0, 1, None], ids=["src=0", "src=1", "default"])
-def test_broadcast_initial_state_copies_parameters_and_buffers(src):
-    raise_if_untouched(load_exercise(LESSON).broadcast_initial_state)  # not attempted: no ranks
+def test_broadcast_initial_state_copies_parameters_and_buffers(ex, src):
+    raise_if_untouched(ex.broadcast_initial_state)  # not attempted: no ranks
     try:
         results = run_on_ranks(broadcasting_on_rank, src, pg_timeout=GRADE_TIMEOUT, timeout=40)
     except RankError as error:
@@ -84,8 +84,8 @@ def broadcasting_in_place_on_rank(ctx, src: int) -> dict:
 
 
 @pytest.mark.task4_7
-def test_broadcast_initial_state_writes_into_the_models_own_tensors():
-    raise_if_untouched(load_exercise(LESSON).broadcast_initial_state)  # not attempted: no ranks
+def test_broadcast_initial_state_writes_into_the_models_own_tensors(ex):
+    raise_if_untouched(ex.broadcast_initial_state)  # not attempted: no ranks
     results = run_on_ranks(broadcasting_in_place_on_rank, 1, pg_timeout=GRADE_TIMEOUT,
                            timeout=40)
     source = results[1]["before"]
