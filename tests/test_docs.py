@@ -208,3 +208,23 @@ def test_the_home_pages_course_diagram_has_every_lesson():
     diagram = diagram[:diagram.index("```", 3)]
     missing = [lesson for lesson in LESSONS if f'L{lesson[:2]}["{lesson[:2]}<br/>' not in diagram]
     assert not missing, f"docs/index.md's course diagram lacks {missing}"
+
+
+def test_lesson_04s_table_of_settings_is_the_doctors():
+    """The README's table and the doctor's KNOBS: the same names, in the same order, with the
+    same defaults (a README cell may add a note after the doctor's value)."""
+    from harness.exercises import load_lesson_module
+
+    knobs = load_lesson_module("04_pitfalls", "doctor").KNOBS
+    text = (LESSONS_DIR / "04_pitfalls" / "README.md").read_text()
+    section = text[text.index("### Settings that decide hangs and speed"):]
+    section = section[:section.index("\n## ")]
+    rows = re.findall(r"^\| `([A-Z0-9_]+)` \| ([^|]+) \|", section, re.MULTILINE)
+    assert [name for name, _ in rows] == list(knobs), (
+        "lesson 04's table of settings and doctor.py's KNOBS name other settings, or in "
+        f"another order: {[name for name, _ in rows]} against {list(knobs)}")
+    for name, default in rows:
+        default = default.strip()
+        wanted = knobs[name].default
+        assert default == wanted or default.startswith(wanted + " "), (
+            f"lesson 04's table gives {name} the default {default!r}, the doctor {wanted!r}")

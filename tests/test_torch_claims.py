@@ -15,6 +15,7 @@ import io
 import os
 import signal
 import subprocess
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -108,7 +109,8 @@ def test_nproc_per_node_gpu_counts_the_gpus_this_process_sees():
 
 
 def test_default_process_group_timeouts():
-    """04 README, labs 5 and 14: "by default 30 minutes with gloo, 10 with NCCL"."""
+    """04 README, labs 5 and 14: "by default 30 minutes with gloo, 10 with NCCL"; its settings:
+    "`init_process_group(timeout=...)`: 10 minutes on NCCL, 30 on gloo, by default"."""
     assert constants.default_pg_timeout == timedelta(minutes=30)
     # None on builds without NCCL (the CPU wheels): there the NCCL default is not compiled in.
     nccl = getattr(constants, "default_pg_nccl_timeout", None)
@@ -930,6 +932,61 @@ def test_monitored_barrier_is_for_gloo_and_detail_wraps_new_groups():
     source = inspect.getsource(dist.distributed_c10d._new_process_group_helper)
     assert "get_debug_level() == DebugLevel.DETAIL" in source
     assert "_create_process_group_wrapper(" in source
+
+
+def library_holds(library, *texts: bytes) -> list[bytes]:
+    """Which of ``texts`` the shared library does not contain (names it reads, its messages)."""
+    import mmap
+
+    with library.open("rb") as handle, mmap.mmap(handle.fileno(), 0,
+                                                  access=mmap.ACCESS_READ) as data:
+        return [text for text in texts if data.find(text) == -1]
+
+
+def debug_level_with(value: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_DEBUG"}
+    env.update({} if value is None else {"TORCH_DISTRIBUTED_DEBUG": value})
+    return subprocess.run([sys.executable, "-c", "import torch.distributed as d; "
+                           "print(d.get_debug_level())"], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_settings_lesson_04_tabulates_are_read_by_torch_and_nccl():
+    """04 README, settings that decide hangs and speed: each name is one torch (or NCCL, or
+    gloo) reads, with the messages the text quotes; TORCH_DISTRIBUTED_DEBUG is OFF by default,
+    read in any case, and INFO names the parameters DDP got no gradient for; the dumps' default
+    prefix is comm_lib_trace_rank_ under $XDG_CACHE_HOME/torch or ~/.cache/torch; the flight
+    recorder's 2000 entries and torchrun's TORCH_NCCL_ASYNC_ERROR_HANDLING=1 are asked of torch
+    at run time by the tests of lessons 09 and 04. The defaults read from torch 2.14's compiled
+    code (3, 0, 1, 480, 1, 0) are cited in doctor.py's KNOBS, not testable without NCCL."""
+    from pathlib import Path
+
+    lib = Path(torch.__file__).parent / "lib"
+    assert not library_holds(
+        lib / "libtorch_cpu.so", b"TORCH_DISTRIBUTED_DEBUG", b"GLOO_SOCKET_IFNAME",
+        b"TORCH_FR_BUFFER_SIZE", b"TORCH_NCCL_TRACE_BUFFER_SIZE", b"TORCH_FR_DUMP_TEMP_FILE",
+        b"TORCH_NCCL_DEBUG_INFO_TEMP_FILE", b"XDG_CACHE_HOME", b"/.cache", b"comm_lib_trace_r",
+        b"to either INFO or DETAIL to print out information about which particular parameters "
+        b"did not receive gradient")
+    assert str(debug_level_with(None).stdout).strip() == "DebugLevel.OFF"
+    assert str(debug_level_with("detail").stdout).strip() == "DebugLevel.DETAIL"
+    wrong = debug_level_with("VERBOSE")
+    assert wrong.returncode != 0 and "must be OFF, INFO, or DETAIL" in wrong.stderr, wrong.stderr
+    if not (lib / "libtorch_cuda.so").is_file():
+        pytest.skip("this torch is a CPU build: no NCCL process group to ask")
+    assert not library_holds(
+        lib / "libtorch_cuda.so", b"TORCH_NCCL_ASYNC_ERROR_HANDLING", b"TORCH_NCCL_BLOCKING_WAIT",
+        b"TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created.",
+        b"TORCH_NCCL_ENABLE_MONITORING", b"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+        b"watchdog got stuck for", b"monitor thread is disabled, but would have terminated",
+        b"TORCH_NCCL_DUMP_ON_TIMEOUT", b"TORCH_NCCL_DESYNC_DEBUG")
+    import site
+
+    nccl = [path for root in site.getsitepackages()
+            for path in Path(root).glob("nvidia/nccl/lib/libnccl.so*")]
+    if nccl:  # the NCCL that pip installs beside torch's CUDA wheels
+        assert not library_holds(nccl[0], b"NCCL_DEBUG", b"NCCL_DEBUG_SUBSYS", b"NCCL_DEBUG_FILE",
+                                 b"NCCL_P2P_DISABLE", b"NCCL_SOCKET_IFNAME")
 
 
 RESILIENT = REPO_ROOT / "lessons" / "09_survive_and_scale_out" / "train_resilient.py"

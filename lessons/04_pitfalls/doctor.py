@@ -5,18 +5,20 @@
     torchrun --standalone --nproc-per-node=gpu lessons/04_pitfalls/doctor.py  # one rank per GPU
 
 It reports the versions (torch, CUDA, NCCL, the packages the course needs), the devices this
-process sees and CUDA_VISIBLE_DEVICES, and each rank's device; checks that a barrier and an
-all-reduce complete within ``--timeout`` seconds and give the right value; on CUDA, prints the
-peer-to-peer access matrix and copies between every pair of GPUs; measures all-reduce bus
-bandwidth; and ends with a verdict and next steps. Nothing can hang: every step runs under a
-timeout, and the step that fails is named. Rank 0 prints the report, with the verdict and next
-steps; any other rank that hits a problem prints one line of its own, so the report has one
-line per rank, not one block.
+process sees and CUDA_VISIBLE_DEVICES, each NCCL, gloo and torch.distributed setting that is set
+(what it does, its default, and a warning where its value costs), and each rank's device;
+checks that a barrier and an all-reduce complete within ``--timeout`` seconds and give the
+right value; on CUDA, prints the peer-to-peer access matrix and copies between every pair of
+GPUs; measures all-reduce bus bandwidth; and ends with a verdict and next steps. Nothing can
+hang: every step runs under a timeout, and the step that fails is named. Rank 0 prints the
+report, with the verdict and next steps; any other rank that hits a problem prints one line of
+its own, so the report has one line per rank, not one block.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import faulthandler
 import importlib.metadata
@@ -55,9 +57,9 @@ NEXT_STEPS = {
         "If the doctor passes but your training hangs, the cause is in the code: a collective "
         "that not every rank reaches (lesson 04, labs 05 and 06). Run it with "
         "TORCH_DISTRIBUTED_DEBUG=DETAIL, which checks that all ranks call the same collectives "
-        "in the same order, and with the flight recorder, TORCH_NCCL_TRACE_BUFFER_SIZE=2000 "
-        "TORCH_NCCL_DUMP_ON_TIMEOUT=1, which dumps every rank's last collectives on a timeout "
-        "(read the dumps with torchfrtrace).",
+        "in the same order. On NCCL, read the flight recorder: on a timeout every rank writes "
+        "its last collectives to a file (by default in torch 2.14; TORCH_NCCL_TRACE_BUFFER_SIZE="
+        "2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 in older releases), and torchfrtrace compares them.",
         "A rank that missed its deadline, or that the launcher stopped, printed the stack of "
         "each of its threads: the line it waited on. In your own script, "
         "faulthandler.register(signal.SIGUSR1, all_threads=True) at the top lets "
@@ -87,6 +89,85 @@ NEXT_STEPS = {
         "Read the error above. NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=DETAIL add detail.",
     ],
 }
+
+
+# ------------------------------------------------------------------ the settings it explains
+# The environment variables that decide how a job hangs, fails or how fast it runs. Defaults are
+# torch 2.14's (NCCL's for the NCCL_ ones), read from its source: ProcessGroupNCCL.hpp and .cpp,
+# FlightRecorder.hpp and .cpp, debug.cpp; NCCL's src/debug.cc. Lesson 04's README tabulates the
+# same names and defaults (a test keeps them equal) and says why each one costs what it does.
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    default: str  # what the reader does when the variable is unset
+    does: str  # in a few words, for the report
+    warnings: dict = dataclasses.field(default_factory=dict)  # value -> what that value costs
+
+
+KNOBS = {
+    "NCCL_DEBUG": Knob(
+        "unset (NCCL prints nothing)", "NCCL's log: WARN its errors, INFO also how it connects"),
+    "TORCH_DISTRIBUTED_DEBUG": Knob(
+        "OFF", "INFO: more logs; DETAIL: every collective is checked across ranks first",
+        {"DETAIL": "an extra gloo barrier and comparison before every collective: debugging "
+                   "only, never in a timed run"}),
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": Knob(
+        "3; torchrun sets 1", "what the watchdog does to a failed or timed-out collective "
+                              "(3, 1: end the process; 2: only abort NCCL's communicators; 0: "
+                              "nothing)",
+        {"0": "a timed-out collective never ends the process: a hang stays a hang",
+         "2": "the process lives on after a timeout, its NCCL communicators aborted"}),
+    "TORCH_NCCL_BLOCKING_WAIT": Knob(
+        "0", "1: wait() blocks this thread and raises on a timeout; no watchdog thread",
+        {"1": "no watchdog: no flight-recorder dump, no heartbeat monitor, and the CPU "
+              "thread blocks at every wait"}),
+    "TORCH_NCCL_ENABLE_MONITORING": Knob(
+        "1", "a thread that ends the process when the watchdog itself is stuck",
+        {"0": "a watchdog stuck inside CUDA or NCCL hangs the job until its time limit"}),
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": Knob(
+        "480", "about how long the watchdog may be stuck before the monitor ends the process"),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": Knob(
+        "1", "on a timeout, every rank writes its flight recorder to a file",
+        {"0": "a timeout leaves no record of each rank's last collectives"}),
+    "TORCH_FR_BUFFER_SIZE": Knob(
+        "2000", "how many collectives the flight recorder keeps per process (0: off)",
+        {"0": "the flight recorder is off: a hang leaves no record"}),
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": Knob(
+        "2000", "the older name of TORCH_FR_BUFFER_SIZE, still read",
+        {"0": "the flight recorder is off: a hang leaves no record"}),
+    "TORCH_FR_DUMP_TEMP_FILE": Knob(
+        "~/.cache/torch/comm_lib_trace_rank_", "where the dumps go: this prefix plus the rank"),
+    "TORCH_NCCL_DESYNC_DEBUG": Knob(
+        "0", "on a timeout, report which ranks lag or called another collective",
+        {"1": "a store write per collective: debugging only"}),
+    "NCCL_P2P_DISABLE": Knob(
+        "0", "1: NCCL does not copy directly between a machine's GPUs (NVLink, PCIe P2P)",
+        {"1": "slower collectives inside the machine: a workaround for a broken board, not "
+              "a setting to keep"}),
+    "NCCL_SOCKET_IFNAME": Knob("unset (NCCL picks)", "NCCL's network interface"),
+    "GLOO_SOCKET_IFNAME": Knob("unset (gloo picks)", "gloo's network interface"),
+}
+SETTING_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTED", "GLOO_")
+
+
+def explain_settings(environ) -> list[str]:
+    """One line for every NCCL, gloo and torch.distributed setting in ``environ``: its value,
+    the default and what it does, plus a warning where the value costs something."""
+    lines = []
+    for name, value in sorted(environ.items()):
+        if not name.startswith(SETTING_PREFIXES):
+            continue
+        knob = KNOBS.get(name)
+        if knob is None:
+            lines.append(f"  {name}={value}: not in the doctor's table (see NCCL's or torch's "
+                         f"documentation)")
+            continue
+        lines.append(f"  {name}={value} (default {knob.default}): {knob.does}")
+        warning = knob.warnings.get(value.strip().upper())
+        if warning:
+            lines.append(f"    warning: {warning}")
+    return lines
 
 
 def diagnose(error: BaseException) -> tuple[str, str, str]:
@@ -259,7 +340,7 @@ def environment(doctor: Doctor) -> dict:
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"),
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)],
         "settings": {k: v for k, v in sorted(os.environ.items())
-                     if k.startswith(("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED", "GLOO_"))},
+                     if k.startswith(SETTING_PREFIXES)},
         "packages": versions,
     }
     doctor.say(f"torch {info['torch']} | CUDA {info['cuda']} | NCCL {info['nccl']} | "
@@ -269,8 +350,13 @@ def environment(doctor: Doctor) -> dict:
     launched = "RANK" in os.environ
     doctor.say(f"launcher: {'torchrun, ' if launched else 'none (plain python), '}world size "
                f"{doctor.world_size}, {doctor.local_world_size} on this machine")
-    if info["settings"]:
-        doctor.say(f"settings: {info['settings']}")
+    explained = explain_settings(os.environ)
+    doctor.say(f"settings (torch {torch.__version__.split('+')[0]}; defaults are torch 2.14's, "
+               f"lesson 04's table):" if explained else
+               "settings: no NCCL_, TORCH_NCCL_, TORCH_FR_, TORCH_DISTRIBUTED or GLOO_ variable "
+               "is set: every default holds")
+    for line in explained:
+        doctor.say(line)
     return info
 
 
@@ -437,8 +523,8 @@ def main(argv=None) -> None:
     doctor.say(f"verdict: {verdict}")
     doctor.say("next steps: if your training still hangs, the cause is likely in its code: a "
                "collective not every rank reaches (lesson 04, labs 05 and 06). Run it with "
-               "TORCH_DISTRIBUTED_DEBUG=DETAIL, and with the flight recorder "
-               "(TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1) on NCCL.")
+               "TORCH_DISTRIBUTED_DEBUG=DETAIL; on NCCL, read the flight recorder's dumps "
+               "(lesson 04's settings, lesson 09).")
     doctor.write_result()
     dist.barrier()  # nobody tears down the group while another rank still uses it
     dist.destroy_process_group()

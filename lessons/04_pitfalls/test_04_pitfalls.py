@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import os
 import time
 from pathlib import Path
 
@@ -402,6 +403,12 @@ def test_doctor_passes_on_a_healthy_group(launches):
     assert [b["megabytes"] for b in data["bandwidth"]] == [1, 4]
     assert all(b["busbw_GBps"] > 0 for b in data["bandwidth"])
     assert not any("verdict" in line for line in run.rank_lines(1)), "rank 0 reports"
+    # torchrun gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set (the table).
+    settings = data["environment"]["settings"]
+    expected = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    assert settings.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected, settings
+    assert any("TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (default 3; torchrun sets 1)" in line
+               for line in run.rank_lines(0)) or expected != "1", run.output[-3000:]
 
 
 @pytest.mark.slow
@@ -427,6 +434,28 @@ def test_doctor_names_a_missing_package_and_the_fix(monkeypatch):
     found, problems = doctor.packages()
     assert found["numpy"] == "missing"
     assert problems == [f"numpy is missing ({doctor.NEEDED_PACKAGES['numpy']})"], problems
+
+
+def test_doctor_explains_each_setting_that_is_set_and_warns_where_it_costs():
+    doctor = load_lesson_module(LESSON, "doctor")
+    lines = doctor.explain_settings({
+        "PATH": "/usr/bin", "TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_DISTRIBUTED_DEBUG": "detail",
+        "NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5", "TORCH_FR_BUFFER_SIZE": "0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+    text = "\n".join(lines)
+    assert "PATH" not in text, "only NCCL, gloo and torch.distributed settings are reported"
+    named = [line.split("=")[0].strip() for line in lines if not line.startswith("    ")]
+    assert named == sorted(named) == ["NCCL_DEBUG", "NCCL_IB_HCA", "TORCH_DISTRIBUTED_DEBUG",
+                                      "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                      "TORCH_NCCL_BLOCKING_WAIT"], lines
+    assert "NCCL_IB_HCA=mlx5: not in the doctor's table" in text, "an unknown one is still shown"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (default 3; torchrun sets 1)" in text, lines
+    warned = [lines[k - 1].split("=")[0].strip() for k, line in enumerate(lines)
+              if line.startswith("    warning:")]
+    # DETAIL in any case (torch reads it so); a default value or a harmless one warns of nothing.
+    assert warned == ["TORCH_DISTRIBUTED_DEBUG", "TORCH_FR_BUFFER_SIZE",
+                      "TORCH_NCCL_BLOCKING_WAIT"], lines
+    assert doctor.explain_settings({"HOME": "/root"}) == []
 
 
 @pytest.mark.slow
