@@ -12,6 +12,8 @@ sends 1/W of the payload to its neighbour.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -169,3 +171,42 @@ def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_
     """
     raise NotImplementedError("task8_4: the first option of the table whose bytes per GPU fit")
 # --8<-- [end:choose_method]
+
+
+# --8<-- [start:read_step]
+def read_step(events: list[dict], step: int | None = None) -> dict:
+    """Where one training step of a ``torch.profiler`` trace of a CPU run (gloo) went.
+
+    ``events``: a Chrome trace's ``"traceEvents"`` list, as ``prof.export_chrome_trace`` writes
+    it (``json.load(file)["traceEvents"]``); times in microseconds. Only complete events count:
+    ``"ph": "X"``, each with a ``"ts"`` (its start) and a ``"dur"``; skip every other kind
+    (metadata, instants, flows), which have no ``"dur"``.
+
+    The step is the event named ``ProfilerStep#<step>``; with ``step=None``, the one with the
+    smallest number (``ProfilerStep#9`` comes before ``ProfilerStep#10``). No such event:
+    ``ValueError``. An event belongs to the step when it starts at or after the step's start and
+    before its end; its interval is cut at the step's end.
+
+    Three kinds of event, by the start of their name:
+
+    - backward: ``"autograd::engine::evaluate_function: "``;
+    - communication, one per DDP bucket: ``"gloo:"``, the all-reduce as it runs on gloo's
+      threads (not ``c10d::allreduce_``, which only hands the bucket to gloo);
+    - data: ``"enumerate(DataLoader)"``, the wait for the next batch.
+
+    Events of one kind may overlap (nested calls, several threads): a kind's time is the length
+    of the union of its intervals, never the sum of their durations.
+
+    Returns a dict, every time in microseconds: ``"step_us"``, the step's duration;
+    ``"data_us"``, ``"backward_us"`` and ``"comm_us"``, each kind's time; ``"exposed_comm_us"``,
+    the communication time during which no backward event runs (the part the step waits for);
+    ``"buckets"``, a list with one ``(start, duration, overlap)`` tuple per communication event,
+    in order of start: its start from the step's start, its duration (cut at the step's end),
+    and the part of it during which a backward event runs.
+
+    The test checks each clause alone, sweeps generated traces against a count over every
+    piece of time between two event boundaries, and reads real traces of DDP on gloo (every
+    profiled step, small buckets and one bucket) the same way.
+    """
+    raise NotImplementedError("task8_5: union the intervals of each kind, inside the step")
+# --8<-- [end:read_step]

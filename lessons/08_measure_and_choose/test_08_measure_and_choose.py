@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -99,6 +100,27 @@ def test_benchmark_refuses_one_rank(outside_launcher, capsys):
     bench = load_lesson_module(LESSON, "bench_collectives")
     assert bench.main(["--max-bytes", "1024"]) == 2
     assert "torchrun --nproc-per-node=2" in capsys.readouterr().err
+
+
+def test_read_trace_reads_a_trace_file_and_names_what_it_cannot_read(outside_launcher,
+                                                                     tmp_path, capsys):
+    script = load_lesson_module(LESSON, "read_trace")
+    assert script.main([]) == 2, "one rank: DDP sends nothing"
+    assert "--nproc-per-node=2" in capsys.readouterr().err
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "name": "ProfilerStep#2", "ts": 1000.0, "dur": 900.0},
+        {"ph": "X", "name": "autograd::engine::evaluate_function: AddmmBackward0", "ts": 1100.0,
+         "dur": 300.0},
+        {"ph": "X", "name": "gloo:all_reduce", "ts": 1300.0, "dur": 400.0}]}))
+    assert script.main(["--read", str(trace)]) == 0
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    # step 0.9 ms, no data, backward 0.3, communication 0.4 of which 0.3 exposed
+    assert row[:6] == ["trace", "0.9", "0.00", "0.3", "0.4", "0.3"], row
+    assert script.main(["--read", str(trace), "--step", "3"]) == 2
+    assert "no event ProfilerStep#3" in capsys.readouterr().err
+    assert script.main(["--read", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_the_scripts_prediction_is_the_lessons_formula():

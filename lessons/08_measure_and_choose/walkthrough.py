@@ -13,9 +13,10 @@
 # %% [markdown]
 # # Lesson 08 walkthrough: measure a collective, predict DDP's communication
 #
-# Three steps, all on a CPU: benchmark the all-reduce on two ranks and fit the ring's latency
+# Four steps, all on a CPU: benchmark the all-reduce on two ranks and fit the ring's latency
 # and bandwidth; see how DDP groups the running example's gradients into buckets, and what the
-# fit predicts for them; then let the lesson's script measure the same step.
+# fit predicts for them; let the lesson's script measure the same step; then read a profiler
+# trace of it, bucket by bucket.
 
 # %%
 import json
@@ -95,5 +96,27 @@ print(f"predicted {default['predicted_s'] * 1e3:.1f} ms, "
 # %% [markdown]
 # The script's prediction also counts the two copies DDP makes of every gradient (into its
 # bucket and back). On a busy 2-core machine the two numbers can differ by tens of percent from
-# one run to the next; the README shows why, and which settings move them. The exercises build
-# the fit, the buckets, a bf16 compression hook and the decision between the methods by hand.
+# one run to the next; the README shows why, and which settings move them.
+
+
+# %% [markdown]
+# ## 4. Where the step went: a profiler trace
+#
+# `read_trace.py` profiles three steps of DDP with small buckets and three with one bucket, and
+# reads each trace with the same reading as task8_5: the communication, the part of it no
+# backward hides, and each bucket's all-reduce (start + duration from the step's start, and its
+# overlap with the backward), in milliseconds.
+
+# %%
+traced = torchrun("read_trace.py", "--width", "64", "--blocks", "2")
+for name, steps in traced["readings"].items():
+    for reading in steps:
+        buckets = [f"{start / 1e3:.1f}+{length / 1e3:.1f} ({overlap / 1e3:.1f})"
+                   for start, length, overlap in reading["buckets"]]
+        print(f"{name:>14}: communication {reading['comm_us'] / 1e3:5.1f} ms, exposed "
+              f"{reading['exposed_comm_us'] / 1e3:5.1f} ms; {', '.join(buckets)}")
+
+# %% [markdown]
+# On these two busy cores the exposed time moves from step to step: read several steps, and
+# compare the settings within one run. The exercises build the fit, the buckets, a bf16
+# compression hook, the decision between the methods and this reading of a trace by hand.

@@ -12,6 +12,8 @@ sends 1/W of the payload to its neighbour.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -245,3 +247,84 @@ def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_
                      f"each GPU needs {smallest:.0f} bytes and has {gpu_memory}: use more GPUs, "
                      f"a smaller batch or activation checkpointing")
 # --8<-- [end:choose_method]
+
+
+# --8<-- [start:read_step]
+def read_step(events: list[dict], step: int | None = None) -> dict:
+    """Where one training step of a ``torch.profiler`` trace of a CPU run (gloo) went.
+
+    ``events``: a Chrome trace's ``"traceEvents"`` list, as ``prof.export_chrome_trace`` writes
+    it (``json.load(file)["traceEvents"]``); times in microseconds. Only complete events count:
+    ``"ph": "X"``, each with a ``"ts"`` (its start) and a ``"dur"``; skip every other kind
+    (metadata, instants, flows), which have no ``"dur"``.
+
+    The step is the event named ``ProfilerStep#<step>``; with ``step=None``, the one with the
+    smallest number (``ProfilerStep#9`` comes before ``ProfilerStep#10``). No such event:
+    ``ValueError``. An event belongs to the step when it starts at or after the step's start and
+    before its end; its interval is cut at the step's end.
+
+    Three kinds of event, by the start of their name:
+
+    - backward: ``"autograd::engine::evaluate_function: "``;
+    - communication, one per DDP bucket: ``"gloo:"``, the all-reduce as it runs on gloo's
+      threads (not ``c10d::allreduce_``, which only hands the bucket to gloo);
+    - data: ``"enumerate(DataLoader)"``, the wait for the next batch.
+
+    Events of one kind may overlap (nested calls, several threads): a kind's time is the length
+    of the union of its intervals, never the sum of their durations.
+
+    Returns a dict, every time in microseconds: ``"step_us"``, the step's duration;
+    ``"data_us"``, ``"backward_us"`` and ``"comm_us"``, each kind's time; ``"exposed_comm_us"``,
+    the communication time during which no backward event runs (the part the step waits for);
+    ``"buckets"``, a list with one ``(start, duration, overlap)`` tuple per communication event,
+    in order of start: its start from the step's start, its duration (cut at the step's end),
+    and the part of it during which a backward event runs.
+
+    The test checks each clause alone, sweeps generated traces against a count over every
+    piece of time between two event boundaries, and reads real traces of DDP on gloo (every
+    profiled step, small buckets and one bucket) the same way.
+    """
+    def merged(intervals):  # the union, as disjoint intervals in order
+        union: list[list[float]] = []
+        for start, stop in sorted(intervals):
+            if union and start <= union[-1][1]:
+                union[-1][1] = max(union[-1][1], stop)
+            else:
+                union.append([start, stop])
+        return union
+
+    def covered(start, stop, union):  # how much of [start, stop) the union covers
+        return sum(max(0.0, min(stop, b) - max(start, a)) for a, b in union)
+
+    complete = [event for event in events if event.get("ph") == "X"]
+    steps = {}
+    for event in complete:
+        found = re.fullmatch(r"ProfilerStep#(\d+)", event["name"])
+        if found:
+            steps[int(found.group(1))] = event
+    number = min(steps, default=None) if step is None else step
+    if number not in steps:
+        raise ValueError(f"no event ProfilerStep#{number} in the trace (it has "
+                         f"{sorted(steps)}): profile with a schedule and call prof.step() "
+                         f"after each step")
+    begin = float(steps[number]["ts"])
+    end = begin + float(steps[number]["dur"])
+    prefixes = {"backward": "autograd::engine::evaluate_function: ", "comm": "gloo:",
+                "data": "enumerate(DataLoader)"}
+    kinds: dict[str, list] = {kind: [] for kind in prefixes}
+    for event in complete:
+        start = float(event["ts"])
+        kind = next((k for k, prefix in prefixes.items() if event["name"].startswith(prefix)),
+                    None)
+        if kind is not None and begin <= start < end:
+            kinds[kind].append((start, min(start + float(event["dur"]), end)))
+    backward = merged(kinds["backward"])
+    communication = merged(kinds["comm"])
+    return {"step_us": end - begin,
+            "data_us": sum(b - a for a, b in merged(kinds["data"])),
+            "backward_us": sum(b - a for a, b in backward),
+            "comm_us": sum(b - a for a, b in communication),
+            "exposed_comm_us": sum(b - a - covered(a, b, backward) for a, b in communication),
+            "buckets": [(a - begin, b - a, covered(a, b, backward))
+                        for a, b in sorted(kinds["comm"])]}
+# --8<-- [end:read_step]
