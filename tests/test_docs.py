@@ -161,7 +161,7 @@ def text_block_after(marker: str, readme: Path) -> list[str]:
 
 def what_varies(line: str) -> str:
     """A line of train.py's output without what differs from machine to machine."""
-    line = re.sub(r"[\d,.]+ samples/s", "N samples/s", line)
+    line = re.sub(r"\s*[\d,.]+ samples/s", " N samples/s", line)  # its width varies too
     line = re.sub(r"sha256 [0-9a-f]+\.\.\.", "sha256 ...", line)
     return re.sub(r"torch \S+,", "torch X,", line)
 
