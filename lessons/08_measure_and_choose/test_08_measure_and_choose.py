@@ -22,6 +22,7 @@ import csv
 import itertools
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,18 @@ def test_read_trace_reads_a_trace_file_and_names_what_it_cannot_read(outside_lau
     assert "no event ProfilerStep#3" in capsys.readouterr().err
     assert script.main(["--read", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_input_pipeline_loads_slowly_what_the_data_holds_and_refuses_one_rank(outside_launcher,
+                                                                              capsys):
+    script = load_lesson_module(LESSON, "input_pipeline")
+    data = [(torch.tensor([k]), torch.tensor([k + 1])) for k in range(3)]
+    slow = script.SlowToLoad(data, 0.01)
+    began = time.perf_counter()
+    assert len(slow) == 3 and [slow[k] for k in range(3)] == data
+    assert time.perf_counter() - began >= 0.03, "each sample waits its load time"
+    assert script.main([]) == 2, "one rank"
+    assert "--nproc-per-node=2" in capsys.readouterr().err
 
 
 def test_the_scripts_prediction_is_the_lessons_formula():
