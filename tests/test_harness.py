@@ -712,3 +712,33 @@ def test_pipeline_picture_check_can_fail(tmp_path, monkeypatch):
     assert simulator.main(["--check"]) == 0
     (tmp_path / "gpipe.svg").write_text("<svg/>")
     assert simulator.main(["--check"]) == 1
+
+
+# --------------------------------------------------------------------------- in_a_child
+
+
+def child_answer(x: int) -> tuple[int, int]:
+    return x * 2, os.getpid()
+
+
+def child_raises() -> None:
+    raise ValueError("raised in the child")
+
+
+def child_sleeps(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_in_a_child_returns_raises_and_stops_what_hangs():
+    from harness.ranks import in_a_child
+
+    value, pid = in_a_child(child_answer, 21)
+    assert value == 42 and pid != os.getpid(), "the call runs in another process"
+    assert pid not in live_processes(), "the child exits after its call"
+    with pytest.raises(RankError, match="ValueError.*raised in the child"):
+        in_a_child(child_raises)
+    with pytest.raises(RankTimeout, match="did not finish within 1 s"):
+        in_a_child(child_sleeps, 60, timeout=1)
+    children = [p for p, (parent, _) in live_processes().items() if parent == os.getpid()]
+    assert not any("course-child" in open(f"/proc/{p}/comm").read() for p in children
+                   if os.path.exists(f"/proc/{p}/comm")), "a child that hung is killed"

@@ -22,6 +22,11 @@ How it stays bounded and clean:
   Ctrl-C and at exit: no orphans;
 - CPU pools fork (fast) unless this process has initialised CUDA; CUDA pools spawn.
 
+``in_a_child(fn, *args)`` runs one call, ``fn(*args)`` (no ``ctx``, no process group), in a
+fresh process of its own, with the same bounds: for a call that must own the default process
+group (torch's fake one, which plays any rank of any world size) or that would leave this
+process unfit to fork ranks from.
+
 The function runs as ``fn(ctx, *args, **kwargs)`` where ``ctx`` is a :class:`RankContext`. It is
 sent by file path and name, not pickled, so it must be defined at module level; arguments and
 results are pickled (tensors in results are moved to the CPU first).
@@ -128,6 +133,19 @@ def _to_cpu(obj):
     return obj
 
 
+def _call_and_reply(conn: Connection, path, module_name, qualname, args, kwargs) -> None:
+    """Call the function the parent named and send back its result, or the error it raised."""
+    try:
+        reply = ("ok", _to_cpu(_find_function(path, module_name, qualname)(*args, **kwargs)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        reply = ("error", _describe(exc))
+    try:
+        payload = pickle.dumps(reply)
+    except Exception as exc:  # noqa: BLE001
+        payload = pickle.dumps(("error", _describe(exc, "the result cannot be pickled")))
+    conn.send_bytes(payload)
+
+
 def _worker_main(rank, world_size, backend, device_kind, store_path, pg_timeout,
                  conn: Connection):
     _die_with_parent()
@@ -159,16 +177,7 @@ def _worker_main(rank, world_size, backend, device_kind, store_path, pg_timeout,
             if not message:  # the parent's "stop"
                 return
             path, module_name, qualname, args, kwargs = pickle.loads(message)
-            try:
-                fn = _find_function(path, module_name, qualname)
-                reply = ("ok", _to_cpu(fn(ctx, *args, **kwargs)))
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                reply = ("error", _describe(exc))
-            try:
-                payload = pickle.dumps(reply)
-            except Exception as exc:  # noqa: BLE001
-                payload = pickle.dumps(("error", _describe(exc, "the result cannot be pickled")))
-            conn.send_bytes(payload)
+            _call_and_reply(conn, path, module_name, qualname, (ctx, *args), kwargs)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -343,6 +352,58 @@ class RankPool:
             raise NotAttemptedOnRank(f"{error['message']} (reached on rank {rank})")
         raise RankError(text)
 
+
+
+# ------------------------------------------------------------------- one call, its own process
+
+
+def _child_main(path, module_name, qualname, args, kwargs, conn: Connection) -> None:
+    _die_with_parent()
+    torch.set_num_threads(1)
+    _call_and_reply(conn, path, module_name, qualname, args, kwargs)
+
+
+def in_a_child(fn, *args, timeout: float = CALL_TIMEOUT, **kwargs):
+    """``fn(*args, **kwargs)`` in a fresh process of its own that exits after it, sent, bounded
+    and reported like a pool's call. For work that must own this process's default group
+    (torch's fake process group, at any world size) or that leaves a process unfit to fork
+    ranks from: FSDP2's backward starts autograd's device threads, which forked children
+    cannot use, so a pool started after it would fail on its first backward."""
+    path = getattr(sys.modules.get(fn.__module__), "__file__", None)
+    if path is None or "<locals>" in fn.__qualname__:
+        raise TypeError(f"{fn.__qualname__} must be a module-level function in a file")
+    context = mp.get_context(_default_start_method("cpu"))
+    parent_end, child_end = context.Pipe(duplex=False)
+    proc = context.Process(target=_child_main, daemon=True, name="course-child",
+                           args=(os.path.abspath(path), fn.__module__, fn.__qualname__, args,
+                                 kwargs, child_end))
+    proc.start()
+    child_end.close()
+    try:
+        if not parent_end.poll(timeout):
+            raise RankTimeout(f"{fn.__qualname__} did not finish within {timeout:.0f} s in its "
+                              f"own process: a hang (stopped)")
+        try:
+            reply = pickle.loads(parent_end.recv_bytes())
+        except (EOFError, OSError):
+            proc.join(timeout=1.0)
+            reply = ("error", {"type": "WorkerDied", "task": None, "traceback": "",
+                               "message": f"its process died (exit code {proc.exitcode})"})
+    finally:
+        proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5.0)
+        parent_end.close()
+    if reply[0] == "ok":
+        return reply[1]
+    error = reply[1]
+    if error["task"]:
+        raise NotImplementedError(error["message"])
+    text = f"{fn.__qualname__} raised {error['type']} in its own process: {error['message']}"
+    if error["traceback"]:
+        text += f"\n\n--- traceback ---\n{error['traceback'].rstrip()}"
+    raise RankError(text)
 
 _pools: dict[tuple, RankPool] = {}
 
