@@ -661,6 +661,31 @@ def test_the_fake_process_group_completes_collectives_without_any_other_rank():
         dist.destroy_process_group()
 
 
+def test_the_fake_process_group_plays_any_rank_as_if_every_rank_held_its_tensors():
+    """08 README, a dry run (and dry_run.py's docstring): one process is any rank of any world
+    size, and its collectives complete "as if every rank held this one's tensors: an
+    all-reduce leaves its tensor as it is, an all-gather fills its output with copies of this
+    rank's input" (and a reduce-scatter keeps this rank's piece of its input)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=128)
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (3, 128)
+        tensor = torch.tensor([5.0, 6.0])
+        dist.all_reduce(tensor)
+        assert tensor.tolist() == [5.0, 6.0]
+        gathered = torch.zeros(256)
+        dist.all_gather_into_tensor(gathered, tensor)
+        assert gathered.tolist() == [5.0, 6.0] * 128
+        piece = torch.zeros(2)
+        dist.reduce_scatter_tensor(piece, torch.arange(256.0))
+        assert piece.tolist() == [6.0, 7.0], "rank 3's piece, not a sum over 128 ranks"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_grad_scaler_defaults_and_what_it_does_after_an_overflow():
     """08 README, mixed precision: "The scaler multiplies the loss by a scale before backward
     (65536 at first, torch's default) ... `scaler.step(optimizer)` unscales them and skips the

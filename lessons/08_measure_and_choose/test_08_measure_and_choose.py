@@ -257,3 +257,87 @@ def test_fp16_with_a_grad_scaler_under_ddp_trains_like_fp32_and_checkpoints_the_
     saved = torch.load(tmp_path / "amp.pt", weights_only=True)
     assert set(saved) == {"model", "scaler"}, list(saved)
     assert saved["scaler"]["scale"] == 2.0**16 and saved["scaler"]["_growth_tracker"] == 4
+
+
+# ------------------------------------------------------------------ dry_run.py: a fake world
+
+
+def dry_run_printed(argv: list[str]) -> tuple[int, str]:
+    """dry_run.py's exit code and what it printed: in a child (in_a_child), since the fake
+    group must be its process's default group and FSDP2's backward leaves a process unfit to
+    fork ranks from."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = load_lesson_module(LESSON, "dry_run").main(argv)
+    return code, printed.getvalue()
+
+
+def fake_gpt_step(world: int) -> list[tuple[str, int]]:
+    script = load_lesson_module(LESSON, "dry_run")
+    config = GPTConfig.named("tiny", vocab_size=script.VOCAB)
+    with torch.device("meta"):
+        base = GPT(config)
+    return script.one_step(base, config, world, 2)[0]
+
+
+def real_gpt_step(ctx) -> list[tuple[str, int]]:
+    """One step of the tiny GPT under FSDP2 on real gloo ranks, counted in Python (the
+    harness's CollectiveLog, not the script's dispatch counter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from harness.collectives import CollectiveLog
+
+    script = load_lesson_module(LESSON, "dry_run")
+    config = GPTConfig.named("tiny", vocab_size=script.VOCAB)
+    model = script.shard(GPT(config), init_device_mesh("cpu", (ctx.world_size,)))
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1))
+    with CollectiveLog() as log:
+        model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+    return [(call.op, call.payload) for call in log.calls]
+
+
+def test_dry_run_plays_every_rank_and_predicts_the_step(outside_launcher):
+    from collections import Counter
+
+    import torch._dynamo  # noqa: F401  (imported once here, not in every child)
+
+    from harness.ranks import in_a_child
+
+    world = 4
+    code, printed = in_a_child(dry_run_printed, ["--world", str(world), "--size", "tiny"])
+    assert code == 0, printed
+    assert "fsdp_step_collectives predicts 14 collectives" in printed and "the same ones" in (
+        printed), printed
+    # Every rank's shard, from torch.chunk along the first dimension (what the text says
+    # FSDP2 does), against what the script read off each rank's sharded model.
+    config = GPTConfig.named("tiny", vocab_size=65)
+    with torch.device("meta"):
+        model = GPT(config)
+    held = Counter()
+    for rank in range(world):
+        held[sum((len(pieces[rank]) if rank < len(pieces) else 0) * math.prod(p.shape[1:])
+                 for p in model.parameters()
+                 for pieces in [torch.chunk(torch.empty(p.shape[0], device="meta"), world)])] += 1
+    for count in held:
+        assert f"{count:,} parameters each" in printed, (count, printed)
+    assert "tok_emb.weight (65, 32): ranks 0-2 hold 17 rows, rank 3 holds 14 rows; it travels " \
+           "as 68 rows" in printed, printed
+    # The fake world's step is the real one: the same collectives on 2 gloo ranks.
+    fake = in_a_child(fake_gpt_step, 2)
+    for rank, real in enumerate(run_on_ranks(real_gpt_step)):
+        assert Counter(real) == Counter(fake), (
+            f"rank {rank} of a real 2-rank run issued {sorted(real)}, the fake world "
+            f"{sorted(fake)}")
+
+
+def test_dry_run_refuses_a_launcher_and_a_world_of_one(outside_launcher, monkeypatch, capsys):
+    script = load_lesson_module(LESSON, "dry_run")
+    with pytest.raises(SystemExit):
+        script.main(["--world", "1"])
+    assert "2 or more ranks" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    assert script.main([]) == 2
+    assert "not torchrun" in capsys.readouterr().err

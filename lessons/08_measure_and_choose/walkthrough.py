@@ -13,10 +13,10 @@
 # %% [markdown]
 # # Lesson 08 walkthrough: measure a collective, predict DDP's communication
 #
-# Four steps, all on a CPU: benchmark the all-reduce on two ranks and fit the ring's latency
+# Five steps, all on a CPU: benchmark the all-reduce on two ranks and fit the ring's latency
 # and bandwidth; see how DDP groups the running example's gradients into buckets, and what the
-# fit predicts for them; let the lesson's script measure the same step; then read a profiler
-# trace of it, bucket by bucket.
+# fit predicts for them; let the lesson's script measure the same step; read a profiler trace
+# of it, bucket by bucket; then plan an FSDP2 job on 16 ranks in one process.
 
 # %%
 import json
@@ -118,5 +118,22 @@ for name, steps in traced["readings"].items():
 
 # %% [markdown]
 # On these two busy cores the exposed time moves from step to step: read several steps, and
-# compare the settings within one run. The exercises build the fit, the buckets, a bf16
-# compression hook, the decision between the methods and this reading of a trace by hand.
+# compare the settings within one run.
+#
+# ## 5. A dry run: 16 ranks in this one process
+#
+# `dry_run.py` plays each rank of an FSDP2 job in torch's fake process group: the shapes of
+# every rank's shards, then one step of rank 0 with each collective it issues, against the
+# formula of task8_6. Plain `python`, not torchrun: the script is every rank itself. (It runs
+# in its own process: a notebook kernel that ran FSDP2's backward could no longer fork ranks.)
+
+# %%
+planned = subprocess.run([sys.executable, str(HERE / "dry_run.py"), "--world", "16", "--size",
+                          "tiny"], capture_output=True, text=True, timeout=240, env=ENV)
+print(planned.stdout)
+assert planned.returncode == 0, planned.stderr[-3000:]
+
+# %% [markdown]
+# At 16 ranks the 65-row embedding travels as 80 rows. The exercises build the fit, the
+# buckets, a bf16 compression hook, the decision between the methods, the reading of a trace
+# and this step's collectives by hand.

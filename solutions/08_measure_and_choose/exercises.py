@@ -12,6 +12,7 @@ sends 1/W of the payload to its neighbour.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -328,3 +329,67 @@ def read_step(events: list[dict], step: int | None = None) -> dict:
             "buckets": [(a - begin, b - a, covered(a, b, backward))
                         for a, b in sorted(kinds["comm"])]}
 # --8<-- [end:read_step]
+
+
+# --8<-- [start:fsdp_step_collectives]
+def fsdp_step_collectives(root: list[tuple[int, ...]], units: list[list[tuple[int, ...]]],
+                          world_size: int, param_bytes: int = 4, reduce_bytes: int | None = None,
+                          reshard_after_forward: bool = True) -> list[tuple[str, int]]:
+    """The collectives FSDP2 issues in one training step (a forward, then a backward) of a model
+    sharded as lesson 05 shards it: ``fully_shard(unit, reshard_after_forward=...)`` on each
+    unit (a block), then ``fully_shard(model)`` on the whole, with its default.
+
+    ``units``: for each unit, the shapes of its parameters; ``root``: the shapes of the
+    parameters no unit holds (the embeddings, the last norm, the head), which the root's
+    ``fully_shard`` manages as one more group. ``world_size`` ranks, 2 or more.
+
+    FSDP2 shards every parameter along its first dimension: ``torch.chunk`` into
+    ``world_size`` pieces, each piece padded to ``ceil(rows / world_size)`` rows, so that a
+    parameter of ``rows`` rows travels as ``ceil(rows / world_size) * world_size`` rows (a 65-row
+    embedding on 128 ranks moves 128 rows). A group's collective carries all its parameters at
+    once, each padded so.
+
+    Each group with at least one parameter issues, per step:
+
+    - an all-gather of its parameters before its forward (payload: the gathered, padded
+      whole, in ``param_bytes`` per element);
+    - another before its backward, if it freed them after its forward: a unit with
+      ``reshard_after_forward=True``, never the root (torch keeps the root's parameters after
+      the forward, since its backward, the first to run, needs them at once);
+    - a reduce-scatter of its gradients after its backward (payload: the padded whole, in
+      ``reduce_bytes`` per element; ``None``: ``param_bytes``, as gradients reduce in the
+      parameters' dtype unless a ``MixedPrecisionPolicy`` gives a ``reduce_dtype``).
+
+    A group without parameters issues nothing. Returns one ``(op, payload_bytes)`` per
+    collective, ``op`` being ``"all_gather"`` or ``"reduce_scatter"``, in any order (the order
+    depends on prefetching; the test compares them as a multiset). ``world_size < 2`` (one rank
+    shards nothing), a shape with no dimension or a dimension below 1, or a byte size below 1:
+    ``ValueError``.
+
+    The test checks each clause alone, sweeps generated models (shapes, world sizes up to 128,
+    mixed precision, both reshard settings) against FSDP2 itself run in torch's fake process
+    group and counted as torch dispatches each collective, and a real 2-rank run on gloo.
+    """
+    reduce_bytes = param_bytes if reduce_bytes is None else reduce_bytes
+    if world_size < 2:
+        raise ValueError(f"world_size {world_size}: FSDP needs 2 or more ranks to shard over")
+    if min(param_bytes, reduce_bytes) < 1:
+        raise ValueError(f"bytes per element must be 1 or more, not {param_bytes}, {reduce_bytes}")
+    for shape in [*root, *(shape for unit in units for shape in unit)]:
+        if len(shape) == 0 or min(shape) < 1:
+            raise ValueError(f"shape {tuple(shape)}: every parameter needs dimensions of 1 or more")
+
+    def padded_numel(shape: tuple[int, ...]) -> int:
+        rows = -(-shape[0] // world_size) * world_size
+        return rows * math.prod(shape[1:])
+
+    collectives = []
+    for shapes, is_root in [(root, True), *((unit, False) for unit in units)]:
+        if not shapes:
+            continue
+        numel = sum(padded_numel(shape) for shape in shapes)
+        gathers = 2 if reshard_after_forward and not is_root else 1
+        collectives += [("all_gather", numel * param_bytes)] * gathers
+        collectives.append(("reduce_scatter", numel * reduce_bytes))
+    return collectives
+# --8<-- [end:fsdp_step_collectives]
