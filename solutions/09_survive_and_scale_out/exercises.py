@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import threading
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -354,3 +356,65 @@ def first_mismatch(records: dict[int, list[dict]],
     seq, name, seen = min(found, key=lambda item: (item[0], item[1]))
     return {"process_group": name, "seq_id": seq, "calls": seen}
 # --8<-- [end:first_mismatch]
+
+
+# --8<-- [start:Preemption]
+class Preemption:
+    """Stop every rank at the same step boundary when the scheduler signals any of them.
+
+    ``with Preemption() as stop:`` installs a handler for each of ``signals``: by default
+    SIGTERM (what a preempted or cancelled job's processes get) and SIGUSR1 (what
+    ``--signal=USR1@90`` sends before the time limit). The handler only remembers the first
+    signal this process caught: Python runs it between two bytecodes of the main thread,
+    perhaps in the middle of a collective's or a save's Python code, so it must not exit,
+    communicate or write. Leaving the block puts back the handlers that were there before, also
+    when the block raised. Python runs signal handlers in the main thread only: entered in
+    another thread, it raises RuntimeError saying so.
+
+    ``stop.requested(group=None, device="cpu")`` is called by every rank of ``group`` (the
+    default group when None) at every step boundary. It is a collective, one all-reduce of one
+    number on ``device`` (the rank's CUDA device under nccl): a rank that caught nothing waits
+    for the others, as at any all-reduce, and every rank gets the same answer, True once any
+    rank of the group has caught a signal. So every rank saves the same step, and none is left
+    waiting in the next step's collectives for a rank that has stopped. Once True, it stays
+    True.
+
+    ``stop.signal`` is the agreed signal: the largest signal number that the group's ranks had
+    caught when ``requested`` first returned True, 0 before. ``stop.exit_code`` is 128 plus it,
+    the status a shell reports for a process that signal ended (143 for SIGTERM), 0 before.
+
+    The test delivers signals to some ranks at various steps (2 to 4 ranks, and a subgroup),
+    checks that every rank stops at the first boundary after the first delivery, and counts
+    the collectives.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)):
+        self.signals = tuple(signals)
+        self.caught = 0  # the first signal this process caught (0: none yet)
+        self.signal = 0  # the one the ranks agreed on
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("enter Preemption in the main thread: Python runs signal "
+                               "handlers there only")
+        self._previous = {sig: signal.signal(sig, self._catch) for sig in self.signals}
+        return self
+
+    def _catch(self, signum, frame) -> None:
+        self.caught = self.caught or signum  # nothing more: it may run anywhere in the step
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():  # None: one installed outside Python
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    def requested(self, group=None, device="cpu") -> bool:
+        flag = torch.tensor([self.caught], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # any rank's, on every rank
+        if not self.signal:  # the first agreement stands
+            self.signal = int(flag.item())
+        return self.signal != 0
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signal if self.signal else 0
+# --8<-- [end:Preemption]
