@@ -198,11 +198,18 @@ ENTRY_POINTS = {"main", "parse_args"}
 @pytest.mark.parametrize("entry", COURSE, ids=[entry.folder for entry in COURSE])
 def test_a_name_means_one_thing_within_a_lesson(entry):
     """Two scripts of a lesson that define the same function define the same function, unless
-    one is a step of the chain built on the other: then their difference is the lesson."""
+    one is a step of the chain built on the other (directly or through other steps): then their
+    difference is the lesson."""
     seen: dict[str, tuple[str, str]] = {}
     clashes = []
-    steps_within = {(s.path, s.builds_on.partition("/")[2]) for s in entry.scripts
-                    if s.builds_on and s.builds_on.startswith(f"{entry.folder}/")}
+    builds_on = {s.path: s.builds_on.partition("/")[2] for s in entry.scripts
+                 if s.builds_on and s.builds_on.startswith(f"{entry.folder}/")}
+    steps_within = set()  # (step, a step it builds on, directly or through others)
+    for step in builds_on:
+        earlier = step
+        while earlier in builds_on:
+            earlier = builds_on[earlier]
+            steps_within.add((step, earlier))
     for script in entry.scripts:
         if script.path.startswith("labs/"):
             continue
