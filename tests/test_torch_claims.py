@@ -1163,3 +1163,87 @@ def test_a_killed_agent_that_hosted_nothing_leaves_the_others_waiting_at_the_exi
         assert agents[0].running(), "node 0's agent still waits for node 1's"
     finally:
         kill_all(agents, workers)
+
+
+SIGNALLED_WORKER = '''
+import os, signal, sys, time
+def caught(signum, frame):
+    print(f"worker {os.getpid()} got {signal.Signals(signum).name}", flush=True)
+    sys.exit(128 + signum)
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, caught)
+print(f"worker {os.getpid()} ready", flush=True)
+time.sleep(60)
+'''
+
+
+def torchrun_signalled(tmp_path, sig: signal.Signals, *launcher_args: str):
+    """A torchrun of one worker that reports the signals it gets, sent ``sig`` once the worker
+    is ready: (torchrun's result, the worker's pid, whether the worker outlived torchrun)."""
+    import re
+
+    from harness.launch import Launch
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(SIGNALLED_WORKER)
+    launch = Launch(worker, launcher="torchrun", nproc=1, result=False, check=False, timeout=60,
+                    launcher_args=launcher_args)
+    pid = None
+    try:
+        wait_until(lambda: "ready" in launch.output_so_far(), time.monotonic() + 45)
+        found = re.search(r"worker (\d+) ready", launch.output_so_far())
+        assert found, f"the worker did not start: {launch.output_so_far()[-3000:]}"
+        pid = int(found.group(1))
+        os.kill(launch.pid, sig)
+        run = launch.result()
+        return run, pid, bool(alive([pid]))
+    finally:
+        launch.stop()
+        if pid and alive([pid]):
+            os.kill(pid, signal.SIGKILL)  # the orphan a SIGUSR1 leaves
+
+
+def test_torchrun_handles_sigterm_sigint_sighup_sigquit_and_waits_30_s_by_default(monkeypatch):
+    """09 README, time limits: "torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT (its
+    --signals-to-handle, also PET_SIGNALS_TO_HANDLE); it sends the same signal to its workers
+    and waits for them up to 30 s (--shutdown-timeout, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) before
+    a SIGKILL"."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    default = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    assert default in inspect.getsource(mp_api.PContext.start), "what the agent registers"
+    help_text = run.get_args_parser().format_help()
+    assert "--signals-to-handle" in help_text and "--shutdown-timeout" in help_text
+    assert torchrun_args().signals_to_handle == default
+    assert torchrun_args().shutdown_timeout is None  # then the variable, or 30
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in help_text
+    from torch.distributed.launcher.api import LaunchConfig
+
+    assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 30
+    assert inspect.signature(LocalElasticAgent._shutdown).parameters["death_sig"].default \
+        == signal.SIGTERM
+    # What is left after the timeout gets the kill signal (SIGKILL on Linux).
+    assert mp_api._get_kill_signal() == signal.SIGKILL
+    assert "_get_kill_signal()" in inspect.getsource(mp_api.SubprocessContext._close)
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR1")
+    assert torchrun_args().signals_to_handle == "SIGTERM,SIGUSR1"
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_passes_sigterm_on_and_dies_of_sigusr1_leaving_its_worker(tmp_path):
+    """09 README, time limits: "SIGTERM to torchrun reaches every worker; SIGUSR1, which it does
+    not handle unless told, kills torchrun itself and leaves its workers running: the batch
+    script turns SIGUSR1 into SIGTERM"."""
+    run_, pid, orphan = torchrun_signalled(tmp_path, signal.SIGTERM)
+    assert f"worker {pid} got SIGTERM" in run_.output, run_.output[-3000:]
+    assert "death signal, shutting down workers" in run_.output, run_.output[-3000:]
+    assert run_.returncode != 0 and not orphan
+    run_, pid, orphan = torchrun_signalled(tmp_path, signal.SIGUSR1)
+    assert run_.returncode == -signal.SIGUSR1, "the signal's default action ends torchrun"
+    assert "got SIGUSR1" not in run_.output, run_.output[-3000:]
+    assert orphan, "the worker, in a session of its own, outlives torchrun"
+    run_, pid, orphan = torchrun_signalled(tmp_path, signal.SIGUSR1,
+                                           "--signals-to-handle=SIGTERM,SIGUSR1")
+    assert f"worker {pid} got SIGUSR1" in run_.output, run_.output[-3000:]
+    assert not orphan

@@ -11,6 +11,12 @@ import torch
 
 LESSON = "09_survive_and_scale_out"
 RESILIENT = f"lessons/{LESSON}/train_resilient.py"
+PREEMPTIBLE = f"lessons/{LESSON}/train_preemptible.py"
+# The batch job's settings: 2 epochs of 32 steps on 2 ranks, long enough to be signalled after
+# step 3 and stop well before the end; its arguments, and the pooled run that never stops.
+PREEMPTED_RUN = dict(epochs=2, batch_size=4, train_windows=256, dropout=0.1)
+PREEMPTED = ("--backend", "gloo", *(item for name, value in PREEMPTED_RUN.items()
+                                     for item in (f"--{name.replace('_', '-')}", str(value))))
 SBATCH = f"lessons/{LESSON}/slurm/train.sbatch"
 CONFIG = dict(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
 

@@ -8,7 +8,7 @@ import pytest
 
 from harness.exercises import REPO_ROOT, load_exercise
 from harness.launch import free_port, path_with, start_first, start_script
-from lesson09.common import LESSON, RESILIENT, RESTARTABLE, SBATCH
+from lesson09.common import LESSON, PREEMPTED, RESILIENT, RESTARTABLE, SBATCH
 
 
 @pytest.fixture
@@ -39,13 +39,17 @@ def launches(tmp_path_factory):
                                    str(folders["no-restart"]), "--crash-at-step", "5",
                                    launcher="torchrun", nproc=1, check=False, timeout=90),
     }
-    # Two nodes on this machine: the batch script, with a stand-in for srun that starts one
-    # task per emulated node (hosts 127.0.0.1 and 127.0.0.2), each a torchrun of one process.
+    # Two nodes on this machine: the batch script, with stand-ins for sbatch (slurm/sbatch) and
+    # srun (slurm/srun, one task per emulated node, hosts 127.0.0.1 and 127.0.0.2, each a
+    # torchrun of one process). Once step 3 is saved, sbatch's stand-in signals the batch shell
+    # as SLURM does before the time limit; the job stops, requeues itself, starts again, resumes.
+    folders["two nodes"] = tmp_path_factory.mktemp("slurm")
     runs["two nodes"] = start_script(
-        SBATCH, *common[:-2], launcher="bash", timeout=90,
-        env={"PATH": path_with(REPO_ROOT / SBATCH.rsplit("/", 1)[0]),
-             "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4242", "SAVE_EVERY": "3",
-             "CHECKPOINTS": str(tmp_path_factory.mktemp("slurm")), "FAKE_SLURM_NODES": "2"})
+        f"lessons/{LESSON}/slurm/sbatch", SBATCH, *PREEMPTED, launcher="bash", timeout=120,
+        env={"PATH": path_with(REPO_ROOT / SBATCH.rsplit("/", 1)[0]), "SAVE_EVERY": "3",
+             "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4242", "FAKE_SLURM_NODES": "2",
+             "CHECKPOINTS": str(folders["two nodes"]),
+             "FAKE_SLURM_SIGNAL_WHEN": str(folders["two nodes"] / "step-00000003")})
     yield {"runs": runs, "folders": folders}
     for run in runs.values():
         run.stop()

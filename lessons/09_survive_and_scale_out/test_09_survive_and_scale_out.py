@@ -47,6 +47,7 @@ from lesson09.common import (
     JOB,
     LESSON,
     NODELISTS,
+    PREEMPTED_RUN,
     RESILIENT,
     RESTARTABLE,
     SBATCH,
@@ -168,16 +169,48 @@ def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
     assert saved == ["step-00000003"], f"the checkpoint to resume from by hand: {saved}"
 
 
-@pytest.mark.slow  # a torchrun launch
-def test_a_slurm_job_of_two_nodes_trains_what_one_node_trains(launches, uninterrupted):
+@pytest.mark.slow  # the batch job, twice
+def test_a_slurm_job_of_two_nodes_gives_each_rank_its_place(launches):
     run = launches["runs"]["two nodes"].result()
-    found = sorted(re.findall(r"RANK=(\d+) LOCAL_RANK=(\d+) GROUP_RANK=(\d+) WORLD_SIZE=(\d+)",
-                              run.output))
-    # Two nodes of one process: global ranks 0 and 1, one on each node, each local rank 0.
-    assert found == [("0", "0", "0", "2"), ("1", "0", "1", "2")], run.output[-3000:]
+    first, _, again = run.output.partition("sbatch (stand-in): job 4242 starts again")
+    for attempt in (first, again):
+        found = sorted(re.findall(r"RANK=(\d+) LOCAL_RANK=(\d+) GROUP_RANK=(\d+) WORLD_SIZE=(\d+)",
+                                  attempt))
+        # Two nodes of one process: global ranks 0 and 1, one on each node, each local rank 0.
+        assert found == [("0", "0", "0", "2"), ("1", "0", "1", "2")], attempt[-3000:]
     assert run.data["world_size"] == 2
-    assert run.data["params_sha256"] == uninterrupted, (
-        "two nodes of one process each trained other weights than one node of two processes")
+
+
+@pytest.mark.slow  # the batch job, twice
+def test_a_job_signalled_before_its_time_limit_saves_requeues_and_resumes_exactly(launches):
+    """SIGUSR1 to the batch shell (--signal=B:USR1@90) -> SIGTERM to srun -> every node's
+    torchrun -> its ranks: they stop at one step boundary, save it, exit with 143; the job is
+    requeued, and the batch script, started again, resumes there and trains what one node of
+    two processes that never stopped trains."""
+    run = launches["runs"]["two nodes"].result()
+    folder = launches["folders"]["two nodes"]
+    stopped, _, again = run.output.partition("sbatch (stand-in): job 4242 starts again")
+    assert again, f"the job was not requeued and started again: {run.output[-3000:]}"
+    assert "SIGUSR1 to job 4242's batch shell" in stopped, stopped[-2000:]
+    found = re.findall(r"SIGTERM: stopped after step (\d+), saved; exit code 143", stopped)
+    assert len(found) == 1, f"rank 0 says where every rank stopped, once: {found}\n{stopped}"
+    step = int(found[0])
+    run_ = PREEMPTED_RUN
+    last = run_["epochs"] * run_["train_windows"] // (2 * run_["batch_size"])  # 2 ranks
+    assert 3 < step < last, f"stopped after step {step}: not between step 3 and the last ({last})"
+    assert re.search(r"Received (Signals\.)?(SIGTERM|15) death signal, shutting down workers",
+                     stopped), "each node's torchrun passes SIGTERM on to its ranks"
+    assert "(srun exited with 1): requeueing job 4242" in stopped, (
+        "torchrun ends with 1 after a death signal, whatever its ranks returned")
+    assert "job 4242 requeued" in stopped, stopped[-2000:]
+    assert f"resumed from {folder / f'step-{step:08d}'}" in again, (
+        f"the requeued job resumes where it stopped: {again[-3000:]}")
+    assert "SIGTERM: stopped" not in again and run.returncode == 0, again[-3000:]
+    reference = run_on_ranks(script_fit_on_rank, "train_preemptible", None, world_size=2,
+                             **PREEMPTED_RUN)[0]
+    assert run.data["params_sha256"] == reference["digest"], (
+        f"two nodes of one process, stopped after step {step} and resumed: not the weights of "
+        "one node of two processes that never stopped")
 
 
 @pytest.mark.slow

@@ -150,7 +150,7 @@ COURSE: tuple[Lesson, ...] = (
     Lesson("09_survive_and_scale_out", "Survive and scale out",
            {"task9_1": "ResumableSampler, save_training_state, load_training_state",
             "task9_2": "expand_nodelist, slurm_to_torchrun", "task9_3": "resume_point",
-            "task9_4": "first_mismatch"},
+            "task9_4": "first_mismatch", "task9_5": "Preemption"},
            # 65 changed: the checkpoint (save_state, load_state, resume_point), and lesson 08's
            # communication flags taken out (--comm-hook, --bucket-cap-mb, ...): it needs none.
            (Script("train_checkpoint.py", "torchrun", 2, QUICK,
@@ -161,6 +161,10 @@ COURSE: tuple[Lesson, ...] = (
             Script("train_resilient.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
                    builds_on="09_survive_and_scale_out/train_checkpoint.py", max_changed=65,
                    max_lines=225),
+            # 280 lines: task9_5's answer, Preemption (34 lines, checks included), and the stop at
+            # a step boundary come on top of train_resilient.py, whole.
+            Script("train_preemptible.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
+                   builds_on="09_survive_and_scale_out/train_resilient.py", max_lines=280),
             Script("sharded_checkpoint.py", "torchrun", 2, ("--steps", "1")),
             Script("find_a_hang.py", "torchrun", 2, ("--bug", "none", "--dump-after", "60")),
             Script("slurm_args.py", smallest=(
