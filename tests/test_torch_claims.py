@@ -13,6 +13,7 @@ import importlib.metadata
 import inspect
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1180,8 +1181,6 @@ time.sleep(60)
 def torchrun_signalled(tmp_path, sig: signal.Signals, *launcher_args: str):
     """A torchrun of one worker that reports the signals it gets, sent ``sig`` once the worker
     is ready: (torchrun's result, the worker's pid, whether the worker outlived torchrun)."""
-    import re
-
     from harness.launch import Launch
 
     worker = tmp_path / "worker.py"

@@ -11,10 +11,11 @@ import torch
 
 LESSON = "09_survive_and_scale_out"
 RESILIENT = f"lessons/{LESSON}/train_resilient.py"
-PREEMPTIBLE = f"lessons/{LESSON}/train_preemptible.py"
 # The batch job's settings: 2 epochs of 32 steps on 2 ranks, long enough to be signalled after
 # step 3 and stop well before the end; its arguments, and the pooled run that never stops.
 PREEMPTED_RUN = dict(epochs=2, batch_size=4, train_windows=256, dropout=0.1)
+PREEMPTED_STEPS = (PREEMPTED_RUN["epochs"] * PREEMPTED_RUN["train_windows"]
+                   // (2 * PREEMPTED_RUN["batch_size"]))  # on 2 ranks
 PREEMPTED = ("--backend", "gloo", *(item for name, value in PREEMPTED_RUN.items()
                                      for item in (f"--{name.replace('_', '-')}", str(value))))
 SBATCH = f"lessons/{LESSON}/slurm/train.sbatch"

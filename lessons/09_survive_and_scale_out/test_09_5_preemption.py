@@ -197,7 +197,7 @@ def alone_in_a_group(ex_path: str, body: str) -> dict:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        return CHECKS[body](load_path(ex_path))
+        return CHECKS[body][1](load_path(ex_path))
     finally:
         dist.destroy_process_group()
 
@@ -258,19 +258,22 @@ def check_thread(ex) -> dict:
     return seen
 
 
-DOING = {"first signal": "sent SIGUSR1 then SIGTERM in a with block",
-         "which signals": "Preemption(signals=(SIGUSR2,)) sent SIGTERM, then SIGUSR2",
-         "after an error": "a with block that raised KeyError",
-         "thread": "entered in a thread that is not the main one"}
-CHECKS = {"first signal": check_first_signal, "which signals": check_which_signals,
-          "after an error": check_restored_after_an_error, "thread": check_thread}
+# Each check: what it does (for the message when the process fails), and the function.
+CHECKS = {
+    "first signal": ("sent SIGUSR1 then SIGTERM in a with block", check_first_signal),
+    "which signals": ("Preemption(signals=(SIGUSR2,)) sent SIGTERM, then SIGUSR2",
+                      check_which_signals),
+    "after an error": ("a with block that raised KeyError", check_restored_after_an_error),
+    "thread": ("entered in a thread that is not the main one", check_thread),
+}
 
 
 def in_its_own_process(ex, body: str) -> dict:
     try:
         return in_a_child(alone_in_a_group, str(ex.__file__), body, timeout=30)
     except RankError as err:
-        raise AssertionError(f"{DOING[body]}, the process raised or died. The handler must only "
+        doing = CHECKS[body][0]
+        raise AssertionError(f"{doing}, the process raised or died. The handler must only "
                              f"record the signal (no exit, no collective, no save: the step "
                              f"boundary does those): {err}") from None
 

@@ -48,6 +48,7 @@ from lesson09.common import (
     LESSON,
     NODELISTS,
     PREEMPTED_RUN,
+    PREEMPTED_STEPS,
     RESILIENT,
     RESTARTABLE,
     SBATCH,
@@ -195,9 +196,8 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_and_resumes_exactl
     found = re.findall(r"SIGTERM: stopped after step (\d+), saved; exit code 143", stopped)
     assert len(found) == 1, f"rank 0 says where every rank stopped, once: {found}\n{stopped}"
     step = int(found[0])
-    run_ = PREEMPTED_RUN
-    last = run_["epochs"] * run_["train_windows"] // (2 * run_["batch_size"])  # 2 ranks
-    assert 3 < step < last, f"stopped after step {step}: not between step 3 and the last ({last})"
+    assert 3 < step < PREEMPTED_STEPS, (
+        f"stopped after step {step}: not between step 3 and the last ({PREEMPTED_STEPS})")
     assert re.search(r"Received (Signals\.)?(SIGTERM|15) death signal, shutting down workers",
                      stopped), "each node's torchrun passes SIGTERM on to its ranks"
     assert "(srun exited with 1): requeueing job 4242" in stopped, (
