@@ -198,7 +198,8 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
     # The stop signal's flag travels on a gloo group of its own: a CPU number, so asking for it
     # never waits for the GPU to finish the step (nccl would need a GPU tensor, and .item()).
-    control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    control = (dist.new_group(backend="gloo", timeout=run.TIMEOUT)  # not gloo's 30 min default
+               if dist.get_backend() != "gloo" else None)
 
     def after_step(position: dict) -> None:
         if position["start"] == train_loader.sampler.num_samples:  # the epoch is done

@@ -93,6 +93,7 @@ def choose_device(requested: str | None = None) -> torch.device:
 
 # --8<-- [start:setup]
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TIMEOUT = datetime.timedelta(seconds=60)  # a missing peer becomes an error, not a hang
 
 
 def setup(backend: str, script: str) -> tuple[int, int, torch.device]:
@@ -113,12 +114,11 @@ def setup(backend: str, script: str) -> tuple[int, int, torch.device]:
     device = choose_device(f"cuda:{os.getenv('LOCAL_RANK', 0)}" if backend == "nccl" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before anything else touches CUDA
-    timeout = datetime.timedelta(seconds=60)  # a missing peer becomes an error, not a hang
     if not missing:
-        dist.init_process_group(backend, timeout=timeout)  # reads the variables above
+        dist.init_process_group(backend, timeout=TIMEOUT)  # reads the variables above
     else:  # a store on port 0: the OS picks a free port
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=TIMEOUT)
     return dist.get_rank(), dist.get_world_size(), device
 # --8<-- [end:setup]
 
