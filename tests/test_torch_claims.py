@@ -847,6 +847,49 @@ def test_dcp_fsyncs_the_files_it_writes_by_default(tmp_path, monkeypatch):
     assert synced, "dcp.save wrote its files without an fsync"
 
 
+def test_dcp_async_save_writes_in_a_thread_and_wants_a_cpu_backend():
+    """09 README, saving while training goes on: "`dcp.async_save` ... a thread of the same
+    process writes it (`AsyncCheckpointerType.THREAD`, the default; `PROCESS` starts a process
+    for it)" and "its group must have a CPU backend (gloo)"."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    default = inspect.signature(dcp.async_save).parameters["async_checkpointer_type"].default
+    assert default is AsyncCheckpointerType.THREAD
+    assert {kind.name for kind in AsyncCheckpointerType} == {"THREAD", "PROCESS"}
+    assert "A CPU backend must be enabled for async save" in inspect.getsource(dcp.async_save)
+
+
+def test_an_elastic_rendezvous_waits_last_call_for_more_nodes_and_drops_silent_ones():
+    """09 README, losing a node: "`--nnodes=1:2` ... a node whose agent has been silent for
+    `keep_alive_interval` x `keep_alive_max_attempt` (5 s x 3 by default) is dropped, and a
+    round with fewer nodes than the most completes `last_call_timeout` (30 s by default) after
+    it has the fewest; `--rdzv-conf` sets all three"."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _BackendRendezvousStateHolder,
+        create_handler,
+    )
+
+    assert run.parse_min_max_nnodes("1:2") == (1, 2)
+    settings = []
+    for conf in ({}, {"last_call_timeout": "5", "keep_alive_interval": "1",
+                      "keep_alive_max_attempt": "2"}):
+        params = RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0", run_id="claims",
+                                      min_nodes=1, max_nodes=2, is_host=True, **conf)
+        backend, store = create_backend(params)  # a store of its own, on a port the OS picks
+        got = create_handler(store, backend, params).settings
+        settings.append((got.min_nodes, got.max_nodes, got.timeout.last_call,
+                         got.keep_alive_interval, got.keep_alive_max_attempt))
+        del store
+    assert settings == [(1, 2, timedelta(seconds=30), timedelta(seconds=5), 3),
+                        (1, 2, timedelta(seconds=5), timedelta(seconds=1), 2)], settings
+    sanitize = " ".join(inspect.getsource(_BackendRendezvousStateHolder._sanitize).split())
+    assert ("keep_alive_interval * self._settings.keep_alive_max_attempt" in sanitize
+            and "del state.participants[dead_node]" in sanitize), "the silent are dropped"
+
+
 def test_set_rng_state_takes_a_cpu_byte_tensor_only():
     """09 README: "`torch.set_rng_state` ... take[s] a CPU `ByteTensor` only" (so generator
     states loaded with `map_location` onto another device cannot be restored); the state

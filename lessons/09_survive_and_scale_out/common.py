@@ -19,6 +19,17 @@ PREEMPTED_STEPS = (PREEMPTED_RUN["epochs"] * PREEMPTED_RUN["train_windows"]
 PREEMPTED = ("--backend", "gloo", *(item for name, value in PREEMPTED_RUN.items()
                                      for item in (f"--{name.replace('_', '-')}", str(value))))
 SBATCH = f"lessons/{LESSON}/slurm/train.sbatch"
+SHARDED = f"lessons/{LESSON}/sharded_checkpoint.py"
+# The elastic job: two nodes of one process (--nnodes=1:2); node 1 is lost after step 5, node 0's
+# rank fails in step 6's first collective, and its agent restarts it alone, from step 4's
+# checkpoint. The rendezvous's settings make the wait short: a node silent for 1 s x 2 is dead,
+# and a round with fewer nodes than the most completes 5 s after it has the fewest.
+ELASTIC_RUN = dict(steps=12, save_every=2, lose_node_at_step=5)
+ELASTIC = tuple(item for name, value in ELASTIC_RUN.items()
+                for item in (f"--{name.replace('_', '-')}", str(value)))
+ELASTIC_RESUME = ELASTIC_RUN["lose_node_at_step"] // ELASTIC_RUN["save_every"] * \
+    ELASTIC_RUN["save_every"]
+ELASTIC_RDZV = {"last_call_timeout": 5, "keep_alive_interval": 1, "keep_alive_max_attempt": 2}
 CONFIG = dict(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
 
 # LOGLEVEL=INFO: torchrun shows its agent's decisions (warnings and errors only otherwise).

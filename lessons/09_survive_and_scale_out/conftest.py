@@ -7,8 +7,17 @@ from __future__ import annotations
 import pytest
 
 from harness.exercises import REPO_ROOT, load_exercise
-from harness.launch import free_port, path_with, start_first, start_script
-from lesson09.common import LESSON, PREEMPTED, RESILIENT, RESTARTABLE, SBATCH
+from harness.launch import free_port, path_with, start_first, start_nodes, start_script
+from lesson09.common import (
+    ELASTIC,
+    ELASTIC_RDZV,
+    LESSON,
+    PREEMPTED,
+    RESILIENT,
+    RESTARTABLE,
+    SBATCH,
+    SHARDED,
+)
 
 
 @pytest.fixture
@@ -50,6 +59,14 @@ def launches(tmp_path_factory):
              "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4242", "FAKE_SLURM_NODES": "2",
              "CHECKPOINTS": str(folders["two nodes"]),
              "FAKE_SLURM_SIGNAL_WHEN": str(folders["two nodes"] / "step-00000003")})
+    # An elastic job of two nodes (agents) on this machine: node 1 is lost after step 5, its
+    # agent and its process killed at once; node 0's agent restarts its process alone.
+    folders["elastic"] = tmp_path_factory.mktemp("elastic")
+    runs["elastic"] = start_nodes(
+        SHARDED, *ELASTIC, "--checkpoint-dir", str(folders["elastic"]), min_nodes=1,
+        rdzv_conf=ELASTIC_RDZV, launcher_args=("--max-restarts=1",), job="elastic", check=False,
+        env=RESTARTABLE, timeout=90)
     yield {"runs": runs, "folders": folders}
     for run in runs.values():
-        run.stop()
+        for launch in run if isinstance(run, list) else [run]:
+            launch.stop()

@@ -6,6 +6,9 @@ The tasks are graded in test_09_1_exact_resume.py (task9_1), test_09_2_slurm_arg
 - slurm_args.py, the batch script's own copy of task9_2's mapping, follows the same tables;
 - an FSDP2 checkpoint written by 4 ranks with torch.distributed.checkpoint loads on 2 and goes
   on as one process would;
+- sharded_checkpoint.py keeps the newest K checkpoints, and dcp.async_save writes the step it
+  was asked at while training changes the parameters; an elastic job (--nnodes=1:2) that loses
+  a node goes on, on fewer ranks, exactly as a job started smaller from its last checkpoint;
 - TORCH_DISTRIBUTED_DEBUG=DETAIL names mismatched collectives, monitored_barrier the rank that
   did not arrive, and faulthandler's stacks where each rank is (never waiting long);
 - the lesson's scripts resume exactly in-process, and under torchrun: a rank SIGKILLed with a
@@ -22,6 +25,7 @@ import datetime
 import faulthandler
 import re
 import shutil
+import signal
 import zipfile
 from pathlib import Path
 
@@ -43,6 +47,8 @@ from lesson09.common import (
     BAD_NODELISTS,
     BOTH_NAMES,
     CONFIG,
+    ELASTIC_RESUME,
+    ELASTIC_RUN,
     ENVIRONMENTS,
     JOB,
     LESSON,
@@ -273,6 +279,82 @@ def test_a_sharded_checkpoint_of_4_ranks_resumes_on_2(tmp_path):
                                     shard=False)
     script.train(alone, optimizer, dataset, 0, 6, 8, share=False)
     assert_parameters_close(resumed["final"], alone.state_dict(), "after resharding 4 -> 2")
+
+
+def dcp_keep_on_rank(ctx, folder: str, asynchronous: bool) -> dict:
+    """Saves after steps 1, 2 and 3 with the newest 2 kept; once the third is asked for, the
+    parameters change in place and two more steps train, while it is written (when
+    ``asynchronous``)."""
+    script = load_lesson_module(LESSON, "sharded_checkpoint")
+    dataset = CharDataset(32)
+    model, optimizer = script.build(GPTConfig.named("tiny", vocab_size=dataset.vocab_size))
+    saves = script.Checkpoints(Path(folder), keep=2, asynchronous=asynchronous)
+    for step in (1, 2, 3):
+        script.train(model, optimizer, dataset, step - 1, step, 8)
+        asked = script.full_state(model)  # the model the save is asked for
+        saves.save(model, optimizer, step)
+    with torch.no_grad():  # at once, in place, as an optimizer step would: step 3 is written
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    script.train(model, optimizer, dataset, 3, 5, 8)
+    saves.wait()
+    kept = [path.name for path in script.checkpoints(Path(folder))]
+    fresh, fresh_optimizer = script.build(GPTConfig.named("tiny", vocab_size=dataset.vocab_size))
+    step = script.load(Path(folder) / "step-00000003", fresh, fresh_optimizer)
+    return {"kept": kept, "step": step, "asked": asked, "saved": script.full_state(fresh),
+            "on": sorted(p.name for p in Path(folder).iterdir())}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["dcp.save", "dcp.async_save"])
+def test_the_newest_k_checkpoints_are_kept_and_a_save_holds_the_step_it_was_asked_at(
+        tmp_path, asynchronous):
+    """sharded_checkpoint.Checkpoints: --keep 2 leaves the newest two whole checkpoints; with
+    dcp.async_save the save returns at once, and what it writes is the model of the step it was
+    asked at, though training went on changing the parameters in place."""
+    ranks = run_on_ranks(dcp_keep_on_rank, str(tmp_path), asynchronous, world_size=2)
+    got = ranks[0]
+    assert got["kept"] == got["on"] == ["step-00000002", "step-00000003"], (
+        f"--keep 2 after saves of steps 1, 2 and 3: {got['on']} on disk")
+    assert got["step"] == 3
+    for name, tensor in got["asked"].items():
+        assert torch.equal(got["saved"][name], tensor), (
+            f"{name}: the checkpoint of step 3 holds other values than step 3's model (a save "
+            f"that did not copy the state before training went on?)")
+
+
+def test_an_elastic_job_that_loses_a_node_goes_on_as_a_smaller_job_from_its_checkpoint(
+        launches):
+    """torchrun --nnodes=1:2 --max-restarts=1: node 1 (its agent and its process) is killed
+    after step 5; node 0's rank fails in its next collective, its agent restarts it, the
+    rendezvous completes without the dead node, and the one rank resumes from step 4's
+    checkpoint of 2 ranks. It ends with the weights of a job started on 1 rank from that
+    checkpoint."""
+    node0, node1 = launches["runs"]["elastic"]
+    lost, survived = node1.result(), node0.result()
+    assert lost.returncode == -signal.SIGKILL, f"node 1's torchrun was not killed: {lost.output}"
+    assert survived.returncode == 0 and survived.data, survived.output[-4000:]
+    output = survived.output
+    assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in output, (
+        output[-4000:])
+    checkpoint = launches["folders"]["elastic"] / f"step-{ELASTIC_RESUME:08d}"
+    assert (f"resumed from {checkpoint}: step {ELASTIC_RESUME}, written by 2 ranks, read by 1"
+            in output), output[-4000:]
+    assert (survived.data["world_size"], survived.data["start"]) == (1, ELASTIC_RESUME)
+    smaller = run_on_ranks(dcp_continue_on_rank, str(checkpoint), ELASTIC_RUN["steps"],
+                           world_size=1)[0]
+    assert survived.data["parameters_sha256"] == smaller, (
+        "the elastic job, on 1 rank after losing node 1, does not end with the weights of a job "
+        f"started on 1 rank from {checkpoint.name}")
+
+
+def dcp_continue_on_rank(ctx, checkpoint: str, steps: int) -> str:
+    """A job started on this group from ``checkpoint``, trained up to ``steps``: its digest."""
+    script = load_lesson_module(LESSON, "sharded_checkpoint")
+    dataset = CharDataset(32)
+    model, optimizer = script.build(GPTConfig.named("tiny", vocab_size=dataset.vocab_size))
+    start = script.load(Path(checkpoint), model, optimizer)
+    script.train(model, optimizer, dataset, start, steps, 8)
+    return parameter_digest(script.full_state(model))
 
 
 def hang_on_rank(ctx, bug: str, detail: bool = False, monitor: float | None = None,

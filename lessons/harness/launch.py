@@ -274,21 +274,28 @@ def start_script(script: str | os.PathLike, *args: str, **options) -> Launch:
 
 def start_nodes(script: str | os.PathLike, *args: str, nodes: int = 2, nproc: int = 1,
                 job: str = "nodes", timeout: float = LAUNCH_TIMEOUT, check: bool = True,
-                env: dict | None = None) -> list[Launch]:
+                env: dict | None = None, min_nodes: int | None = None,
+                rdzv_conf: dict | None = None, launcher_args: tuple = ()) -> list[Launch]:
     """``nodes`` torchrun agents on this machine, started as the nodes of one job of ``nproc``
     processes each, on a c10d rendezvous at a free port of 127.0.0.1. Node n's agent says it is
     127.0.0.(n + 1) (every 127.x address is this machine): the rendezvous numbers the nodes in
     the order of their addresses (then of their process ids), so node n is GROUP_RANK n, and
     node 0 has the job's rank 0, whose launch alone asks for ``--result``. Node 0's agent hosts
-    the rendezvous's store (``is_host`` pins it: on one machine any agent could)."""
+    the rendezvous's store (``is_host`` pins it: on one machine any agent could).
+
+    With ``min_nodes``, the job is elastic (``--nnodes=min_nodes:nodes``); ``rdzv_conf`` adds
+    to ``--rdzv-conf`` (``{"last_call_timeout": 5}``), ``launcher_args`` to each torchrun."""
     if not 1 <= nodes <= 9:  # "127.0.0.10" would sort before "127.0.0.2"
         raise ValueError(f"1 to 9 nodes, not {nodes}")
     port = free_port()
+    nnodes = f"{min_nodes}:{nodes}" if min_nodes is not None else f"{nodes}"
+    conf = ",".join(f"{key}={value}" for key, value in (rdzv_conf or {}).items())
     return [Launch(script, *args, launcher="torchrun-node", nproc=nproc, result=node == 0,
                    timeout=timeout, check=check, env=env, launcher_args=(
-                       f"--nnodes={nodes}", "--rdzv-backend=c10d",
+                       f"--nnodes={nnodes}", "--rdzv-backend=c10d",
                        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
-                       f"--rdzv-conf=is_host={node == 0}", f"--local-addr=127.0.0.{node + 1}"))
+                       f"--rdzv-conf=is_host={node == 0}" + (f",{conf}" if conf else ""),
+                       f"--local-addr=127.0.0.{node + 1}", *launcher_args))
             for node in range(nodes)]
 
 

@@ -166,6 +166,8 @@ COURSE: tuple[Lesson, ...] = (
             Script("train_preemptible.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
                    builds_on="09_survive_and_scale_out/train_resilient.py", max_lines=280),
             Script("sharded_checkpoint.py", "torchrun", 2, ("--steps", "1")),
+            Script("bench_checkpoint.py", "torchrun", 2,
+                   ("--steps", "2", "--save-every", "1", "--n-embd", "32")),
             Script("find_a_hang.py", "torchrun", 2, ("--bug", "none", "--dump-after", "60")),
             Script("slurm_args.py", smallest=(
                 "--env", "SLURM_JOB_ID=1", "--env", "SLURM_JOB_NUM_NODES=2",
