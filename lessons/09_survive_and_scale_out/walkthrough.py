@@ -13,17 +13,21 @@
 # %% [markdown]
 # # Lesson 09 walkthrough: stop, resume, and get the same run
 #
-# Four steps on a CPU: where a resumed epoch starts; a run that checkpoints, loses its last
-# checkpoints and resumes bitwise; what a crashed save leaves and what a restart trusts; and a
-# rank killed under `torchrun --max-restarts=1`. Then the arguments a SLURM job would give.
+# On a CPU: where a resumed epoch starts; a run that checkpoints, loses its last checkpoints
+# and resumes bitwise; what a crashed save leaves and what a restart trusts; a rank killed under
+# `torchrun --max-restarts=1`; the arguments a SLURM job would give; a job told to stop before
+# its time limit; an elastic job that loses a node; and what the flight recorder keeps.
 
 # %%
 import os
 import pickle
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -132,10 +136,75 @@ job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "5", "SLURM_GPUS_ON_NODE":
        "SLURM_JOB_NODELIST": "node[01-04,07]"}
 for node in ("node01", "node07"):
     print(node, " ".join(slurm_args.slurm_to_torchrun({**job, "SLURMD_NODENAME": node})))
+
+
+# %% [markdown]
+# ## 6. SIGTERM before the time limit: stop at a step boundary, save, resume
+#
+# What SLURM sends a job it preempts, sent here by hand to `torchrun` once step 3 is saved.
+# `torchrun` passes it on to its ranks; `train_preemptible.py` catches it, every rank stops at
+# the same step boundary, saves it and exits with 143 (128 + SIGTERM). Started again, the job
+# resumes from that step.
+
+# %%
+def until(condition, seconds: float) -> None:
+    """Wait for ``condition`` at most ``seconds``: nothing here waits for ever."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert condition(), f"not after {seconds} s"
+
+
+preempted = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             str(HERE / "train_preemptible.py"), "--epochs", "1", "--batch-size", "4",
+             "--train-windows", "256", "--save-every", "3", "--checkpoint-dir",
+             str(folder / "preempted")]
+job = subprocess.Popen(preempted, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=env)
+until((folder / "preempted" / "step-00000003").exists, 120)
+job.send_signal(signal.SIGTERM)
+output = job.communicate(timeout=120)[0]
+print([line.split("] ", 1)[-1] for line in output.splitlines() if "SIGTERM: stopped" in line])
+again = subprocess.run(preempted, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=180, env=env)
+print([line.split("] ", 1)[-1] for line in again.stdout.splitlines() if "resumed from" in line])
+assert again.returncode == 0, again.stdout[-3000:]
+
+# %% [markdown]
+# ## 7. A node lost, and the job goes on with the other: `--nnodes=1:2`
+#
+# Two `torchrun` agents as two nodes of one process each. After step 5, node 1's process kills
+# its agent and itself (`--lose-node-at-step`), as a failed machine would. Node 0's rank fails
+# in its next collective, its agent restarts it, the rendezvous drops the silent node, and the
+# one rank resumes from step 4's checkpoint, written by two ranks. Node 0 starts first: it
+# hosts the rendezvous's store, which the job cannot lose.
+
+# %%
+with socket.socket() as probe:  # a port that is free now, for both agents
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+nodes = []
+for node in (0, 1):
+    nodes.append(subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+         "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=walkthrough", f"--local-addr=127.0.0.{node + 1}",
+         f"--rdzv-conf=is_host={1 - node},last_call_timeout=5,keep_alive_interval=1,"
+         "keep_alive_max_attempt=2", str(HERE / "sharded_checkpoint.py"), "--checkpoint-dir",
+         str(folder / "elastic"), "--steps", "12", "--save-every", "2", "--lose-node-at-step", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    time.sleep(1)  # node 0's agent binds the port first
+survivor = nodes[0].communicate(timeout=120)[0]
+nodes[1].communicate(timeout=120)
+print(f"node 1's torchrun ended with {nodes[1].returncode} (-9 is SIGKILL)")
+keep = ("attempts left", "group_world_size", "resumed from", "trained steps", "sha256")
+print("\n".join(line.split("] ", 1)[-1] for line in survivor.splitlines()
+                if any(word in line for word in keep)))
+assert nodes[0].returncode == 0, survivor[-3000:]
 shutil.rmtree(folder)
 
 # %% [markdown]
-# ## 6. What the flight recorder keeps
+# ## 8. What the flight recorder keeps
 #
 # Every process keeps its newest collectives (2000 by default on torch 2.13 and 2.14;
 # `TORCH_FR_BUFFER_SIZE` sets the number). A group of one here, three collectives, and its
