@@ -848,9 +848,10 @@ def test_dcp_fsyncs_the_files_it_writes_by_default(tmp_path, monkeypatch):
 
 
 def test_dcp_async_save_writes_in_a_thread_and_wants_a_cpu_backend():
-    """09 README, saving while training goes on: "`dcp.async_save` ... a thread of the same
-    process writes it (`AsyncCheckpointerType.THREAD`, the default; `PROCESS` starts a process
-    for it)" and "its group must have a CPU backend (gloo)"."""
+    """09 README, the newest K: "a thread of the same process writes the copy
+    (`AsyncCheckpointerType.THREAD`, the default; `PROCESS` starts a process for it)" and "Its
+    group must have a CPU backend: `async_save` refuses one without". (That it copies the state
+    before it returns is shown by the lesson's test, which changes the parameters at once.)"""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -861,10 +862,10 @@ def test_dcp_async_save_writes_in_a_thread_and_wants_a_cpu_backend():
 
 
 def test_an_elastic_rendezvous_waits_last_call_for_more_nodes_and_drops_silent_ones():
-    """09 README, losing a node: "`--nnodes=1:2` ... a node whose agent has been silent for
-    `keep_alive_interval` x `keep_alive_max_attempt` (5 s x 3 by default) is dropped, and a
-    round with fewer nodes than the most completes `last_call_timeout` (30 s by default) after
-    it has the fewest; `--rdzv-conf` sets all three"."""
+    """09 README, losing a node: "`keep_alive_interval` x `keep_alive_max_attempt` (5 s x 3 by
+    default): how long an agent may be silent before the rendezvous drops it" and
+    "`last_call_timeout` (30 s by default): once a round has `MIN` nodes but fewer than `MAX`,
+    it waits this long for more before it completes"; `--rdzv-conf` sets all three."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (

@@ -3,12 +3,12 @@
     torchrun --standalone --nproc-per-node=2 lessons/09_survive_and_scale_out/bench_checkpoint.py
 
 sharded_checkpoint.py's FSDP2 run (a wider running example: --n-embd), trained --steps steps
-three times from the same start: without saving, saving every --save-every steps with
-dcp.save, and with dcp.async_save (a gloo group of its own, one save written at a time). For
-each it prints the mean step time over all steps (the saves included: what the job pays) and the
-seconds the loop spent inside the save call per save (what training waited for). A save's
-seconds the loop did not wait for are spent by a thread beside it: on a machine with as many
-cores as ranks, they slow the steps a little instead.
+three times from the same start: without saving, saving every --save-every steps (not at the
+last) with dcp.save, and with dcp.async_save (a gloo group of its own, one save written at a
+time). For each it prints the mean step time over all steps (the saves included: what the job
+pays) and the mean time the loop spent inside a save call (what training waited for), the
+slowest rank's. A save's seconds the loop did not wait for are spent by a thread beside it,
+which may slow the steps instead.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ MODES = {"no saves": None, "dcp.save": False, "dcp.async_save": True}
 
 
 def measure(config, dataset, args, folder: Path, asynchronous: bool | None) -> dict:
-    """One mode: the step times and the time spent in each save call, rank 0's (every rank
-    waits for the slowest in the collectives, so they agree)."""
+    """One mode: the mean step time and the mean time spent in a save call, the slowest
+    rank's of each (the job goes at its slowest rank's pace)."""
     model, optimizer = build(config)
     saves = None if asynchronous is None else Checkpoints(folder, keep=1,
                                                           asynchronous=asynchronous)
@@ -52,8 +52,10 @@ def measure(config, dataset, args, folder: Path, asynchronous: bool | None) -> d
         called = time.perf_counter()
         saves.wait()  # a save still being written is paid for too
         steps[-1] += time.perf_counter() - called
-    return {"step": statistics.mean(steps), "in_save": statistics.mean(in_save or [0.0]),
-            "saves": len(in_save)}
+    slowest = torch.tensor([statistics.mean(steps), statistics.mean(in_save or [0.0])],
+                           dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"step": slowest[0].item(), "in_save": slowest[1].item(), "saves": len(in_save)}
 
 
 def main(argv=None) -> int:
@@ -80,8 +82,8 @@ def main(argv=None) -> int:
         results[mode] = measure(config, dataset, args, folder, asynchronous)
     parameters = sum(p.numel() for p in build(config, shard=False)[0].parameters())
     log(f"{world} ranks, {parameters / 1e6:.1f}M parameters ({parameters * 12 / 1e6:.0f} MB "
-        f"of weights and AdamW state to save), a save every {args.save_every} of {args.steps} "
-        f"steps")
+        f"of weights and AdamW state to save), {results['dcp.save']['saves']} saves in "
+        f"{args.steps} steps (one every {args.save_every})")
     base = results["no saves"]["step"]
     log(f"{'':16}{'mean step':>12}{'vs no saves':>13}{'in the save call':>18}")
     for mode, got in results.items():

@@ -119,7 +119,8 @@ def newest_checkpoint(folder: Path) -> Path | None:
 
 class Checkpoints:
     """step-<N>/ folders in ``folder``: one save written at a time, the newest ``keep`` kept
-    (0: all), written by dcp.async_save when ``asynchronous``."""
+    (0: all; the disk holds one more while a new one is written), written by dcp.async_save
+    when ``asynchronous``."""
 
     def __init__(self, folder: Path, keep: int = 0, asynchronous: bool = False):
         self.folder, self.keep = folder, keep
@@ -127,7 +128,9 @@ class Checkpoints:
         self.writing = None  # the future of the save being written
 
     def save(self, model, optimizer, step: int) -> None:
-        self.wait()  # the one before must be whole: two at once would hold two copies
+        # The one before must be whole: each async_save writes from a thread of its own, and
+        # two at once would interleave their collectives on the group (and hold two copies).
+        self.wait()
         self.writing = save(self.folder / f"step-{step:08d}", model, optimizer, step, self.group)
         if self.writing is None:
             self.prune()
@@ -147,10 +150,16 @@ class Checkpoints:
                 shutil.rmtree(old)
 
 
+AGENT = os.getppid()  # the torchrun that started this process, noted before any of them dies
+
+
 def lose_this_node() -> None:
-    """What a machine that fails does to its processes: its torchrun agent (this process's
-    parent) and this process are killed at once, with no chance to say goodbye."""
-    os.kill(os.getppid(), signal.SIGKILL)
+    """What a machine that fails does to its processes: its torchrun agent and this process
+    are killed at once, with no chance to say goodbye (each of the node's ranks does both)."""
+    try:
+        os.kill(AGENT, signal.SIGKILL)
+    except ProcessLookupError:  # another rank of this node was first
+        pass
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -167,8 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=run.positive_int, default=6,
                         help="train up to this step, then save")
     parser.add_argument("--global-batch", type=run.positive_int, default=8)
-    parser.add_argument("--save-every", type=int, default=0, help="also every N steps (0: no)")
-    parser.add_argument("--keep", type=int, default=0, help="the newest K checkpoints (0: all)")
+    parser.add_argument("--save-every", type=run.positive_int, help="also every N steps")
+    parser.add_argument("--keep", type=run.positive_int, help="only the newest K checkpoints")
     parser.add_argument("--async-save", action="store_true", help="dcp.async_save, not dcp.save")
     parser.add_argument("--lose-node-at-step", type=run.positive_int,
                         help="node 1 (GROUP_RANK 1) fails after this step")
@@ -179,6 +188,8 @@ def main(argv=None) -> int:
     if args.lose_node_at_step and "GROUP_RANK" not in os.environ:  # its parent is no agent
         return run.refuse(__file__, "--lose-node-at-step needs torchrun's nodes: torchrun "
                                     "--nnodes=1:2 --rdzv-backend=c10d ... in two terminals")
+    if args.lose_node_at_step and os.environ.get("GROUP_WORLD_SIZE") == "1":
+        print(f"{Path(__file__).name}: one node: no node 1 to lose", file=sys.stderr)
     torch.set_num_threads(1)
     try:
         rank, world, _ = run.setup("gloo", __file__)  # CPU: this is about files, not speed
@@ -199,7 +210,7 @@ def main(argv=None) -> int:
             writers = len(list(resume.glob("*.distcp")))
             print(f"resumed from {resume}: step {start}, written by {writers} ranks, "
                   f"read by {world}")
-    saves = Checkpoints(args.checkpoint_dir, args.keep, args.async_save)
+    saves = Checkpoints(args.checkpoint_dir, args.keep or 0, args.async_save)
     for step in range(start + 1, args.steps + 1):
         try:
             train(model, optimizer, dataset, step - 1, step, args.global_batch)

@@ -309,8 +309,9 @@ def dcp_keep_on_rank(ctx, folder: str, asynchronous: bool) -> dict:
 def test_the_newest_k_checkpoints_are_kept_and_a_save_holds_the_step_it_was_asked_at(
         tmp_path, asynchronous):
     """sharded_checkpoint.Checkpoints: --keep 2 leaves the newest two whole checkpoints; with
-    dcp.async_save the save returns at once, and what it writes is the model of the step it was
-    asked at, though training went on changing the parameters in place."""
+    dcp.async_save, what it writes is the model of the step it was asked at, though every
+    parameter changed in place as soon as the call returned and training went on (with
+    dcp.save the same check is the control: that save is whole before the call returns)."""
     ranks = run_on_ranks(dcp_keep_on_rank, str(tmp_path), asynchronous, world_size=2)
     got = ranks[0]
     assert got["kept"] == got["on"] == ["step-00000002", "step-00000003"], (
@@ -342,19 +343,28 @@ def test_an_elastic_job_that_loses_a_node_goes_on_as_a_smaller_job_from_its_chec
     assert (survived.data["world_size"], survived.data["start"]) == (1, ELASTIC_RESUME)
     smaller = run_on_ranks(dcp_continue_on_rank, str(checkpoint), ELASTIC_RUN["steps"],
                            world_size=1)[0]
-    assert survived.data["parameters_sha256"] == smaller, (
+    assert survived.data["parameters_sha256"] == smaller["digest"], (
         "the elastic job, on 1 rank after losing node 1, does not end with the weights of a job "
         f"started on 1 rank from {checkpoint.name}")
+    script = load_lesson_module(LESSON, "sharded_checkpoint")  # and that job is the right one
+    dataset = CharDataset(32)
+    alone, optimizer = script.build(GPTConfig.named("tiny", vocab_size=dataset.vocab_size),
+                                    shard=False)
+    script.train(alone, optimizer, dataset, 0, ELASTIC_RUN["steps"], 8, share=False)
+    assert_parameters_close(smaller["whole"], alone.state_dict(),
+                            f"2 ranks to step {ELASTIC_RESUME}, then 1, against one process")
 
 
-def dcp_continue_on_rank(ctx, checkpoint: str, steps: int) -> str:
-    """A job started on this group from ``checkpoint``, trained up to ``steps``: its digest."""
+def dcp_continue_on_rank(ctx, checkpoint: str, steps: int) -> dict:
+    """A job started on this group from ``checkpoint``, trained up to ``steps``: its model and
+    the model's digest."""
     script = load_lesson_module(LESSON, "sharded_checkpoint")
     dataset = CharDataset(32)
     model, optimizer = script.build(GPTConfig.named("tiny", vocab_size=dataset.vocab_size))
     start = script.load(Path(checkpoint), model, optimizer)
     script.train(model, optimizer, dataset, start, steps, 8)
-    return parameter_digest(script.full_state(model))
+    whole = script.full_state(model)
+    return {"whole": whole, "digest": parameter_digest(whole)}
 
 
 def hang_on_rank(ctx, bug: str, detail: bool = False, monitor: float | None = None,
