@@ -1290,3 +1290,57 @@ def test_torchrun_passes_sigterm_on_and_dies_of_sigusr1_leaving_its_worker(tmp_p
                                            "--signals-to-handle=SIGTERM,SIGUSR1")
     assert f"worker {pid} got SIGUSR1" in run_.output, run_.output[-3000:]
     assert not orphan
+
+
+# ---------------------------------------------------------------- lesson 10: context parallel
+
+
+def _context_parallel_modules():
+    """torch's context-parallel attention and load-balancer modules: the private package
+    ``_context_parallel`` in recent releases, ``_attention`` (which still re-exports them) in
+    older ones."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import (
+            _attention,
+            _load_balancer,
+        )
+    except ImportError:
+        from torch.distributed.tensor.experimental import _attention
+        _load_balancer = _attention
+    return _attention, _load_balancer
+
+
+def test_context_parallel_handles_only_sdpas_cuda_kernels():
+    """Lesson 10: "its dispatch table lists the flash, memory-efficient and cuDNN attention
+    operators and their backwards, and none of SDPA's CPU kernels"."""
+    from torch.distributed.tensor.experimental import context_parallel  # the public name
+
+    assert callable(context_parallel)
+    attention, _ = _context_parallel_modules()
+    table = getattr(attention, "custom_ops", None)
+    if table is None:
+        pytest.skip("this torch keeps context parallel's dispatch table elsewhere")
+    names = {str(op) for op in table}
+    assert names == {f"aten._scaled_dot_product_{kind}_attention{part}.default"
+                     for kind in ("flash", "efficient", "cudnn") for part in ("", "_backward")}
+    cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert cpu not in table
+
+
+def test_context_parallel_all_gathers_by_default_and_balances_only_lengths_of_2w():
+    """Lesson 10: "By default it exchanges the keys and values with an all-gather;
+    set_rotate_method("alltoall") passes them around the ring instead. The length must divide
+    by 2W for the head-tail split; otherwise it splits without balancing"."""
+    attention, balancers = _context_parallel_modules()
+    options = attention._cp_options
+    assert options.rotate_method == attention._RotateMethod.ALL_GATHER
+    assert options.enable_load_balance
+    try:
+        attention.set_rotate_method("alltoall")
+        assert options.rotate_method == attention._RotateMethod.ALL_TO_ALL
+        assert "next rank" in attention._AllToAllRotater.__doc__
+    finally:
+        attention.set_rotate_method("allgather")
+    make = balancers._create_default_load_balancer
+    assert isinstance(make(16, 4, "cpu"), balancers._HeadTailLoadBalancer)
+    assert make(12, 4, "cpu") is None  # 12 tokens do not cut into 8 chunks

@@ -172,6 +172,11 @@ COURSE: tuple[Lesson, ...] = (
             Script("slurm_args.py", smallest=(
                 "--env", "SLURM_JOB_ID=1", "--env", "SLURM_JOB_NUM_NODES=2",
                 "--env", "SLURM_JOB_NODELIST=node[1-2]", "--env", "SLURM_GPUS_ON_NODE=4")))),
+    Lesson("10_long_sequences", "Long sequences: sequence and context parallel",
+           {"task10_1": "AllGatherSequence, ReduceScatterSequence",
+            "task10_2": "merge_partials", "task10_3": "attend_block",
+            "task10_4": "zigzag_split, zigzag_merge", "task10_5": "ring_attention"},
+           (Script("ring_attention.py", "torchrun", 2, ("--length", "16")),)),
 )
 
 

@@ -1,0 +1,204 @@
+"""Lesson 10, task10_5: ring_attention, attention over a sequence split across 1 to 4 ranks,
+contiguous and zig-zag, causal and not, against attention over the whole sequence; the passes
+counted, the largest tensor measured, the skipped blocks checked. On gloo/CPU ranks (and on
+CUDA where present).
+
+    pytest lessons/10_long_sequences -m task10_5
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.compare import assert_close
+from harness.exercises import load_exercise, raise_if_untouched
+from harness.ranks import run_on_ranks
+from lesson10.common import (
+    GROUPS,
+    LESSON,
+    TIGHT,
+    LargestTensor,
+    reference_attention,
+    seeded,
+    split_positions,
+)
+
+# The task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task10_5": {
+        "out and lse: attention over the whole sequence for this rank's queries": [
+            "test_ring_attention_equals_attention_over_the_whole_sequence"],
+        "any split: contiguous or zig-zag": [
+            "test_ring_attention_equals_attention_over_the_whole_sequence"],
+        "the gradient reaches q through autograd": [
+            "test_ring_attention_equals_attention_over_the_whole_sequence"],
+        "W - 1 ring_pass steps": ["test_ring_attention_passes_each_block_once_around"],
+        "never more than one block of scores at a time": [
+            "test_ring_attention_never_holds_more_than_one_block"],
+        "causal: a block no query may see is skipped, no scores": [
+            "test_ring_attention_skips_the_blocks_no_query_sees"],
+        "causal defaults to True": ["test_ring_attention_is_causal_by_default"],
+        "within group only": ["test_ring_attention_stays_within_its_group"],
+    },
+}
+
+BATCH, HEADS, TOKENS, HEAD_DIM = 2, 2, 6, 4  # each rank's tokens; TOKENS > HEAD_DIM
+
+
+def ring_run(ctx, layout: str, causal: bool, groups=None):
+    """This rank's ring_attention over a sequence whose q, k, v every rank can rebuild from
+    seeds, with the ring passes and the attend_block calls counted and the largest tensor any
+    operation built recorded."""
+    ex = load_exercise(LESSON)
+    group, members = None, list(range(ctx.world_size))
+    for ranks in groups or ():
+        made = torch.distributed.new_group(ranks)
+        if ctx.rank in ranks:
+            group, members = made, ranks
+    world, place = len(members), members.index(ctx.rank)
+    length = TOKENS * world
+    mine = split_positions(layout, length, world)[place]
+    q, k, v = (seeded(i, BATCH, HEADS, length, HEAD_DIM).index_select(2, mine).to(ctx.device)
+               for i in range(3))
+    q.requires_grad_(True)
+    counted = {"ring_pass": 0, "attend_block": 0}
+    real = {name: getattr(ex, name) for name in counted}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counted[name] += 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in counted:
+        setattr(ex, name, counting(name))
+    try:
+        with LargestTensor() as seen:
+            if causal is None:  # the default
+                out, lse = ex.ring_attention(q, k, v, mine.to(ctx.device), group)
+            else:
+                out, lse = ex.ring_attention(q, k, v, mine.to(ctx.device), group, causal)
+    finally:
+        for name, function in real.items():
+            setattr(ex, name, function)
+    c = seeded(10, BATCH, HEADS, length, HEAD_DIM).index_select(2, mine).to(ctx.device)
+    d = seeded(11, BATCH, HEADS, length).index_select(2, mine).to(ctx.device)
+    ((out * c).sum() + (lse * d).sum()).backward()
+    return {"out": out.detach(), "lse": lse.detach(), "grad": q.grad, "positions": mine,
+            "members": members, "largest": seen.largest, **counted}
+
+
+def whole(world: int, causal: bool):
+    """out, lse and the gradient of q over the whole sequence, in one process."""
+    length = TOKENS * world
+    q, k, v = (seeded(i, BATCH, HEADS, length, HEAD_DIM) for i in range(3))
+    q.requires_grad_(True)
+    positions = torch.arange(length)
+    out, lse = reference_attention(q, k, v, positions, positions, causal)
+    c, d = seeded(10, BATCH, HEADS, length, HEAD_DIM), seeded(11, BATCH, HEADS, length)
+    ((out * c).sum() + (lse * d).sum()).backward()
+    return out.detach(), lse.detach(), q.grad
+
+
+def needed_blocks(positions: torch.Tensor, world: int, layout: str, causal: bool) -> int:
+    """How many blocks (its own included) hold a key some query at ``positions`` may see."""
+    if not causal:
+        return world
+    return sum(int(block.min() <= positions.max())
+               for block in split_positions(layout, TOKENS * world, world))
+
+
+@pytest.mark.task10_5
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("group", GROUPS)
+def test_ring_attention_equals_attention_over_the_whole_sequence(ex, group, layout, causal):
+    world, backend, device = group
+    raise_if_untouched(ex.ring_attention)
+    results = run_on_ranks(ring_run, layout, causal, world_size=world, backend=backend,
+                           device=device)
+    out, lse, grad = whole(world, causal)
+    for rank, got in enumerate(results):
+        mine = got["positions"]
+        case = f"({layout} split, {'causal' if causal else 'no mask'}, {world} ranks)"
+        for name, theirs in (("out", out), ("lse", lse)):
+            why = ""
+            if name == "lse" and torch.allclose(got["lse"], lse.index_select(2, mine)
+                                                + torch.log(torch.tensor(2.0, dtype=lse.dtype))):
+                why = (": log 2 too much, as if one more block of weight 1 had been merged in: "
+                       "start from this rank's own block, not from zeros")
+            try:
+                assert_close(got[name], theirs.index_select(2, mine), f"ring_attention's {name} "
+                             f"{case} at positions {mine.tolist()}", rank, **TIGHT)
+            except AssertionError as error:
+                raise AssertionError(f"{error}{why}") from None
+        assert got["grad"] is not None, (f"rank {rank}: no gradient reached q through "
+                                         f"ring_attention {case}")
+        assert_close(got["grad"], grad.index_select(2, mine), f"the gradient of q through "
+                     f"ring_attention {case}", rank, **TIGHT)
+
+
+@pytest.mark.task10_5
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ring_attention_passes_each_block_once_around(ex, world):
+    raise_if_untouched(ex.ring_attention)
+    for rank, got in enumerate(run_on_ranks(ring_run, "zigzag", False, world_size=world)):
+        back = "; a W-th sends each block back where it started" if got["ring_pass"] else ""
+        assert got["ring_pass"] == world - 1, (
+            f"rank {rank} of {world}: ring_attention called ring_pass {got['ring_pass']} "
+            f"time(s): W - 1 = {world - 1} passes bring it every other rank's block (it starts "
+            f"with its own){back if got['ring_pass'] == world else ''}")
+
+
+@pytest.mark.task10_5
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_never_holds_more_than_one_block(ex, world):
+    raise_if_untouched(ex.ring_attention)
+    block = BATCH * HEADS * TOKENS * TOKENS  # one block of scores: this rank's queries x keys
+    for rank, got in enumerate(run_on_ranks(ring_run, "contiguous", False, world_size=world)):
+        assert got["largest"] <= block, (
+            f"rank {rank} of {world}: an operation inside ring_attention built a tensor of "
+            f"{got['largest']} elements; one block of scores is {block} ({BATCH} x {HEADS} x "
+            f"{TOKENS} queries x {TOKENS} keys). Keep one block of keys at a time: the whole "
+            f"sequence's keys, or its scores, are what ring attention avoids")
+
+
+@pytest.mark.task10_5
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_attention_skips_the_blocks_no_query_sees(ex, world, layout):
+    raise_if_untouched(ex.ring_attention)
+    for rank, got in enumerate(run_on_ranks(ring_run, layout, True, world_size=world)):
+        needed = needed_blocks(got["positions"], world, layout, True)
+        assert got["attend_block"] == needed, (
+            f"rank {rank} of {world} ({layout} split, causal): attend_block ran "
+            f"{got['attend_block']} time(s); {needed} of the {world} blocks hold a key its "
+            f"queries may see. "
+            + ("Skip a block whose keys all come after every query of this rank (compare the "
+               "positions): its scores would all be masked"
+               if got["attend_block"] > needed else
+               "A block was skipped that some query sees: compare its smallest key position "
+               "with this rank's largest query position"))
+
+
+@pytest.mark.task10_5
+def test_ring_attention_is_causal_by_default(ex):
+    raise_if_untouched(ex.ring_attention)
+    out, lse, _ = whole(2, True)
+    for rank, got in enumerate(run_on_ranks(ring_run, "contiguous", None, world_size=2)):
+        assert_close(got["out"], out.index_select(2, got["positions"]),
+                     "ring_attention's out with causal left to its default (True)", rank,
+                     **TIGHT)
+
+
+@pytest.mark.task10_5
+def test_ring_attention_stays_within_its_group(ex):
+    raise_if_untouched(ex.ring_attention)
+    results = run_on_ranks(ring_run, "zigzag", True, [[0, 2], [1, 3]], world_size=4)
+    out, lse, _ = whole(2, True)
+    for rank, got in enumerate(results):
+        assert_close(got["out"], out.index_select(2, got["positions"]),
+                     f"ring_attention's out with group={got['members']}: a ring of the group's "
+                     f"2 ranks, passing to the next rank of the group", rank, **TIGHT)

@@ -1,0 +1,160 @@
+"""Lesson 10: long sequences. What the lesson rests on, checked on gloo/CPU ranks (and on CUDA
+where present):
+
+- the script's ring attention, backward written by hand, gives the outputs and the gradients of
+  q, k and v that attention over the whole sequence gives in one process, for 1 to 4 ranks,
+  contiguous and zig-zag, causal and not, trimmed or not;
+- a rank never holds more than one block of scores, and what it keeps for the backward is its
+  own tokens': the first falls as 1/W², the second as 1/W;
+- under a causal mask contiguous blocks give the last rank about 2W - 1 times the first rank's
+  work, zig-zag gives every rank the same; the script's counts show it, and trimming each block
+  to what its queries see removes the masked half of the zig-zag blocks.
+
+Each task's tests are in its own file, test_10_1_sequence_collectives.py to test_10_5_ring.py
+(what they share is in common.py and conftest.py); this file checks the lesson's claims and
+its script, ring_attention.py:
+
+    pytest lessons/10_long_sequences/test_10_long_sequences.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.compare import assert_close
+from harness.exercises import load_lesson_module
+from harness.ranks import run_on_ranks
+from lesson10.common import (
+    GROUPS,
+    LESSON,
+    TIGHT,
+    LargestTensor,
+    reference_attention,
+    seeded,
+    split_positions,
+    visible_pairs,
+)
+
+# Each task's CLAUSES (its contract, clause by clause, and the tests that fail when only that
+# clause is broken) are in the task's file; tests/test_course.py merges them and checks the names.
+
+BATCH, HEADS, HEAD_DIM = 2, 2, 4
+
+
+def by_hand_run(ctx, layout: str, causal: bool, trim: bool, tokens: int):
+    """The script's RingAttention on this rank, forward and backward, with the largest tensor
+    any operation built and the elements autograd saved for the backward."""
+    script = load_lesson_module(LESSON, "ring_attention")
+    length = tokens * ctx.world_size
+    mine = split_positions(layout, length, ctx.world_size)[ctx.rank]
+    q, k, v = (seeded(i, BATCH, HEADS, length, HEAD_DIM).index_select(2, mine)
+               .to(ctx.device).requires_grad_(True) for i in range(3))
+    c = seeded(10, BATCH, HEADS, length, HEAD_DIM).index_select(2, mine).to(ctx.device)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel())
+        return tensor
+
+    with LargestTensor() as seen:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = script.RingAttention.apply(q, k, v, mine.to(ctx.device), None, causal, trim)
+        (out * c).sum().backward()
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, "positions": mine,
+            "largest": seen.largest, "saved": sum(saved)}
+
+
+def whole(length: int, causal: bool) -> dict:
+    q, k, v = (seeded(i, BATCH, HEADS, length, HEAD_DIM).requires_grad_(True) for i in range(3))
+    positions = torch.arange(length)
+    out, _ = reference_attention(q, k, v, positions, positions, causal)
+    (out * seeded(10, BATCH, HEADS, length, HEAD_DIM)).sum().backward()
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+
+
+@pytest.mark.parametrize("causal, trim", [(True, True), (True, False), (False, False)],
+                         ids=["causal-trimmed", "causal-whole-blocks", "full"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("group", GROUPS)
+def test_ring_attention_by_hand_gives_the_gradients_of_one_process(group, layout, causal, trim):
+    world, backend, device = group
+    results = run_on_ranks(by_hand_run, layout, causal, trim, 6, world_size=world,
+                           backend=backend, device=device)
+    want = whole(6 * world, causal)
+    for rank, got in enumerate(results):
+        for name in ("out", "q", "k", "v"):
+            what = "the output" if name == "out" else f"the gradient of {name}"
+            assert_close(got[name], want[name].index_select(2, got["positions"]),
+                         f"{what} of ring_attention.py's RingAttention ({layout}, "
+                         f"{'causal' if causal else 'no mask'}, trim={trim})", rank, **TIGHT)
+
+
+def test_a_rank_holds_one_block_of_scores_and_keeps_its_own_tokens():
+    """The same 24-token sequence on 1, 2 and 4 ranks: the largest tensor is one block of scores
+    (24/W queries x 24/W keys), and autograd keeps only the rank's own tokens for backward."""
+    length = 24
+    found = {world: run_on_ranks(by_hand_run, "contiguous", True, True, length // world,
+                                 world_size=world)
+             for world in (1, 2, 4)}
+    for world, results in found.items():
+        tokens = length // world
+        for rank, got in enumerate(results):
+            assert got["largest"] == BATCH * HEADS * tokens * tokens, (
+                f"rank {rank} of {world}: the largest tensor had {got['largest']} elements; one "
+                f"block of scores is {BATCH} x {HEADS} x {tokens} x {tokens}")
+            # q, k, v and out (tokens x head_dim each), lse (tokens) and the positions (tokens)
+            kept = BATCH * HEADS * tokens * (4 * HEAD_DIM + 1) + tokens
+            assert got["saved"] == kept, (
+                f"rank {rank} of {world}: autograd kept {got['saved']} elements for the "
+                f"backward, expected {kept}: this rank's tokens only")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_contiguous_blocks_load_the_last_rank_and_zigzag_balances(world):
+    tokens = 16
+    length = tokens * world
+    contiguous = [visible_pairs(p, length) for p in split_positions("contiguous", length, world)]
+    zigzag = [visible_pairs(p, length) for p in split_positions("zigzag", length, world)]
+    assert contiguous == sorted(contiguous) and len(set(contiguous)) == world, contiguous
+    # rank W-1 sees (W-1) t^2 + t(t+1)/2 pairs, rank 0 t(t+1)/2: about 2W - 1 times as many
+    ratio = contiguous[-1] / contiguous[0]
+    assert 2 * world - 1 - 0.2 * world < ratio < 2 * world - 1, ratio
+    assert len(set(zigzag)) == 1 and zigzag[0] == length * (length + 1) // 2 // world, zigzag
+
+
+@pytest.mark.slow
+def test_script_matches_one_process_and_counts_each_ranks_work(script_run):
+    run = script_run.result()
+    data = run.data
+    assert data["world_size"] == 4, data
+    layouts = data["layouts"]
+    assert list(layouts) == ["contiguous", "zigzag", "zigzag, trimmed"], list(layouts)
+    for layout, found in layouts.items():
+        assert max(found["max_error"].values()) < 1e-12, (layout, found["max_error"])
+    contiguous = layouts["contiguous"]["scores_per_rank"]
+    zigzag = layouts["zigzag"]["scores_per_rank"]
+    trimmed = layouts["zigzag, trimmed"]["scores_per_rank"]
+    tokens = data["length"] // 4
+    # forward and backward: rank r of contiguous blocks computes r + 1 blocks twice
+    assert contiguous == [2 * (r + 1) * tokens * tokens for r in range(4)], contiguous
+    assert zigzag == [2 * 4 * tokens * tokens] * 4, zigzag  # every block seen by some query
+    # its own block whole, and half of each of the 3 others
+    assert trimmed == [2 * (tokens * tokens + 3 * tokens * tokens // 2)] * 4, trimmed
+    assert max(trimmed) < max(contiguous), (trimmed, contiguous)
+    lines = run.output
+    assert "zigzag, trimmed" in lines and "largest error" in lines, lines[-2000:]
+
+
+@pytest.fixture
+def ring_script(outside_launcher):
+    """ring_attention.py, imported, to call its main() as plain python would run it."""
+    return load_lesson_module(LESSON, "ring_attention")
+
+
+def test_script_refuses_a_length_that_does_not_split(ring_script, capsys):
+    assert ring_script.main(["--length", "7"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ring_attention.py" in err[0] and "--length 7" in err[0], err
+    assert not dist.is_initialized()

@@ -1,0 +1,268 @@
+"""Lesson 10 exercises: long sequences. Sequence parallel's two collectives, then attention over a
+sequence split across ranks: the online-softmax merge, one ring step, the zig-zag split, the ring.
+
+Grade with ``pytest lessons/10_long_sequences`` (one task: ``-m task10_1``). Each function's
+docstring is its contract: what it takes, what it returns, and what the test checks.
+
+Shapes are those of ``F.scaled_dot_product_attention``: queries, keys and values are
+(batch, heads, tokens, head_dim), and a log-sum-exp ``lse`` is (batch, heads, tokens), in natural
+log. A token's *position* is its place in the whole sequence, 0 to S-1; ``positions`` tensors are
+1-D integer tensors with one entry per token a rank holds. Under causal masking the query at
+position p sees the keys at positions <= p, wherever they are held.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names now warn);
+# torch 2.11 and 2.12 have only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --8<-- [start:AllGatherSequence]
+class AllGatherSequence(torch.autograd.Function):
+    """Where tokens split along the sequence enter a tensor-parallel region (lesson 06's *f*,
+    under sequence parallelism).
+
+    ``AllGatherSequence.apply(x, group, dim)``. ``x`` holds this rank's tokens, consecutive along
+    ``dim``, the same shape on every rank of ``group`` (``None``: every rank). Forward: the
+    whole sequence on every rank, every rank's ``x`` concatenated along ``dim`` in the group's
+    rank order: one all-gather. Backward: each rank's split layers used every token, so the
+    gradient of this rank's tokens is the **sum over the group's ranks** of their gradients
+    for those tokens: this rank's piece of a reduce-scatter. Returns ``(gradient, None, None)``.
+
+    The test checks the output and the gradient against one process for world sizes 1 to 4,
+    several ``dim`` and a subgroup, and counts one all_gather in forward and one reduce_scatter
+    in backward and nothing else (an all-reduce and a slice give the same numbers but send twice
+    the bytes, and keep the whole sum on every rank).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        mine = x.movedim(dim, 0).contiguous()  # the collectives cut along the first dimension
+        whole = mine.new_empty((dist.get_world_size(group) * mine.shape[0], *mine.shape[1:]))
+        all_gather_single(whole, mine, group=group)
+        return whole.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        whole = grad.movedim(ctx.dim, 0).contiguous()
+        mine = whole.new_empty((whole.shape[0] // dist.get_world_size(ctx.group),
+                                *whole.shape[1:]))
+        reduce_scatter_single(mine, whole, group=ctx.group)
+        return mine.movedim(0, ctx.dim), None, None
+# --8<-- [end:AllGatherSequence]
+
+
+# --8<-- [start:ReduceScatterSequence]
+class ReduceScatterSequence(torch.autograd.Function):
+    """Where a tensor-parallel region's partial sums leave for tokens split along the sequence
+    (lesson 06's *g*, under sequence parallelism).
+
+    ``ReduceScatterSequence.apply(x, group, dim)``. ``x`` is this rank's partial sum for the
+    whole sequence, the same shape on every rank. Forward: cut the sum over the group's ranks
+    into W equal pieces along ``dim`` and return piece r to rank r: one reduce-scatter. A size
+    along ``dim`` that does not divide by W raises a ``ValueError`` naming both numbers.
+    Backward: each rank has the gradient of its own tokens; the gradient of the whole ``x`` is
+    every rank's, concatenated along ``dim`` in rank order: one all-gather. Returns
+    ``(gradient, None, None)``. ``x`` itself is left unchanged.
+
+    The test checks output and gradient against one process for world sizes 1 to 4, several
+    ``dim`` and a subgroup, the error, and counts one reduce_scatter in forward and one
+    all_gather in backward and nothing else.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+        world = dist.get_world_size(group)
+        if x.shape[dim] % world:
+            raise ValueError(f"the sequence's {x.shape[dim]} tokens (dimension {dim}) do not "
+                             f"divide among {world} ranks")
+        ctx.group, ctx.dim = group, dim
+        whole = x.movedim(dim, 0).contiguous()
+        mine = whole.new_empty((whole.shape[0] // world, *whole.shape[1:]))
+        reduce_scatter_single(mine, whole, group=group)
+        return mine.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mine = grad.movedim(ctx.dim, 0).contiguous()
+        whole = mine.new_empty((dist.get_world_size(ctx.group) * mine.shape[0],
+                                *mine.shape[1:]))
+        all_gather_single(whole, mine, group=ctx.group)
+        return whole.movedim(0, ctx.dim), None, None
+# --8<-- [end:ReduceScatterSequence]
+
+
+# --8<-- [start:merge_partials]
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same queries, over two disjoint sets of keys, merged into
+    the attention over both: the online-softmax (log-sum-exp) rule.
+
+    ``out_a`` (..., T, D) is softmax(scores over set a) @ (values of a), row by row, and
+    ``lse_a`` (..., T) the log-sum-exp of those scores; the same for b. A row that saw no key
+    of a set has lse -inf there, and a zero out row (on one side at most). Returns
+    ``(out, lse)``: ``lse = log(exp(lse_a) + exp(lse_b))`` and
+    ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``, row by row: exactly what
+    attention over the union of the keys gives. Computed without overflow (lse may be in the
+    hundreds: subtract the larger one before exponentiating), with no NaN where one side is
+    -inf, and differentiable by autograd (torch operations only).
+
+    The test checks it against ``F.scaled_dot_product_attention`` over the union of the keys,
+    on generated shapes, splits and score scales, with the gradients of every input, and with
+    rows that one side did not see.
+    """
+    top = torch.maximum(lse_a, lse_b)  # finite: one side at least saw a key
+    lse = top + torch.log(torch.exp(lse_a - top) + torch.exp(lse_b - top))
+    out = (torch.exp(lse_a - lse).unsqueeze(-1) * out_a
+           + torch.exp(lse_b - lse).unsqueeze(-1) * out_b)
+    return out, lse
+# --8<-- [end:merge_partials]
+
+
+# --8<-- [start:attend_block]
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 q_positions: torch.Tensor, k_positions: torch.Tensor, causal: bool = True,
+                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of ring attention: this rank's queries against one block of keys and values,
+    which may have come from any rank.
+
+    ``q`` (B, H, Tq, D), ``k`` and ``v`` (B, H, Tk, D); ``q_positions`` (Tq,) and
+    ``k_positions`` (Tk,) are the tokens' positions in the whole sequence. ``scale`` defaults to
+    ``1 / sqrt(D)``, as in ``F.scaled_dot_product_attention``. The scores are
+    ``q @ k.T * scale``; with ``causal``, the query at position p sees only the keys at
+    positions <= p, **global** positions (a block's first key is not position 0), and the
+    other scores are -inf. Returns ``(out, lse)``: ``out`` (B, H, Tq, D) the softmax of each
+    row of scores times ``v``, ``lse`` (B, H, Tq) each row's log-sum-exp, computed without
+    overflow for scores in the hundreds. A row that sees no key of the block gets an out row of
+    zeros and lse -inf, and no NaN appears in the outputs or in any gradient (autograd, torch
+    operations only).
+
+    The test checks it against ``F.scaled_dot_product_attention`` with the same mask and
+    against the log-sum-exp of the scores, on generated sizes and positions, causal and not,
+    with and without ``scale``, gradients included, with rows that see nothing, and in float32
+    with scores in the hundreds.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        visible = k_positions[None, :] <= q_positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True).detach()  # -inf on a row that sees nothing
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(scores - top)  # 0 where masked
+    total = weights.sum(dim=-1, keepdim=True)
+    seen = total > 0
+    # The other branch of each where is computed too, and its gradient must be finite: divide by
+    # one and take log(1) where a row saw nothing.
+    out = (weights @ v) / torch.where(seen, total, torch.ones_like(total))
+    lse = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    return out, lse.squeeze(-1)
+# --8<-- [end:attend_block]
+
+
+# --8<-- [start:zigzag_split]
+def zigzag_split(x: torch.Tensor, world_size: int, dim: int) -> list[torch.Tensor]:
+    """Split a sequence among ``world_size`` ranks so that causal attention costs each the same.
+
+    Cut ``x`` along ``dim`` into 2W equal chunks, numbered 0 to 2W-1 in the sequence's order,
+    and give rank r chunks r and 2W-1-r, concatenated in that order (a chunk from the start and
+    its mirror from the end). Returns the W pieces in rank order. A length along ``dim`` that
+    does not divide by 2W raises a ``ValueError`` that names both numbers: padding the sequence
+    is the caller's choice. (PyTorch's context parallel splits the same way: its head-tail load
+    balancer.)
+
+    The test checks the pieces against torch's load balancer where your torch has it, and
+    against the rule above, on generated sizes, world sizes and dims, and that every rank then
+    sees the same number of (query, key) pairs under a causal mask.
+    """
+    chunks = 2 * world_size
+    if x.shape[dim] % chunks:
+        raise ValueError(f"a sequence of {x.shape[dim]} tokens does not cut into {chunks} "
+                         f"equal chunks (2 per rank for {world_size} ranks)")
+    pieces = x.chunk(chunks, dim=dim)
+    return [torch.cat([pieces[r], pieces[chunks - 1 - r]], dim=dim) for r in range(world_size)]
+# --8<-- [end:zigzag_split]
+
+
+# --8<-- [start:zigzag_merge]
+def zigzag_merge(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The inverse of ``zigzag_split``: its W pieces, in rank order, put back into the
+    sequence's order along ``dim``. ``zigzag_merge(zigzag_split(x, W, dim), dim)`` equals ``x``.
+
+    The test checks that on generated sizes, world sizes and dims, and on pieces that are not a
+    split of anything (the rule alone decides).
+    """
+    halves = [piece.chunk(2, dim=dim) for piece in pieces]
+    heads = [head for head, _ in halves]
+    tails = [tail for _, tail in reversed(halves)]
+    return torch.cat(heads + tails, dim=dim)
+# --8<-- [end:zigzag_merge]
+
+
+def ring_pass(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
+    """Send each tensor to the next rank of the ring (rank + 1, mod W) and receive the previous
+    rank's, of the same shape and dtype, in its place; returns what was received.
+
+    One batch of isend/irecv: every rank posts its send and its receive together, so no rank
+    waits for its neighbour to post a receive first (a ring of blocking sends can deadlock).
+    A lost neighbour ends the wait after the group's timeout.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return list(tensors)
+    group = group or dist.group.WORLD
+    to = dist.get_global_rank(group, (rank + 1) % world)
+    source = dist.get_global_rank(group, (rank - 1) % world)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = []
+    for tensor, into in zip(tensors, received, strict=True):
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), to, group))
+        ops.append(dist.P2POp(dist.irecv, into, source, group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+# --8<-- [start:ring_attention]
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   group=None, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries over the whole sequence, whose keys and values are split
+    across the group's ranks, without any rank holding more than one block of them at a time.
+
+    ``q``, ``k``, ``v`` (B, H, T, D) are this rank's tokens, at ``positions`` (T,) in the whole
+    sequence (any split: contiguous blocks, zig-zag; T is the same on every rank). Start with
+    this rank's own block; then, W - 1 times, hand the block you hold (keys, values and their
+    positions) to the next rank with ``ring_pass`` and take the previous rank's. Attend to each
+    block with ``attend_block`` and fold the results together with ``merge_partials``. Under
+    ``causal``, a block none of whose keys any of this rank's queries may see is skipped: no
+    scores are computed for it (it is still passed on). Returns ``(out, lse)`` for this rank's
+    queries: what attention over the whole sequence gives them (for out,
+    ``F.scaled_dot_product_attention`` with ``is_causal``).
+
+    Autograd carries the gradient to ``q`` (and to this rank's own k and v) but not across
+    ``ring_pass`` to the keys and values other ranks hold: the lesson's ``ring_attention.py``
+    adds that backward by hand.
+
+    The test runs 1 to 4 ranks with contiguous and zig-zag splits, causal and not, and
+    compares out, lse and the gradient of q with ``F.scaled_dot_product_attention`` over the
+    whole sequence; it checks that ``ring_pass`` is called W - 1 times, that no step builds more
+    than one block of scores, and that a skipped block costs no scores.
+    """
+    out, lse = attend_block(q, k, v, positions, positions, causal)  # sees itself: lse finite
+    block = [k, v, positions]
+    for _ in range(dist.get_world_size(group) - 1):
+        block = ring_pass(block, group)
+        k_block, v_block, k_positions = block
+        if causal and k_positions.min() > positions.max():
+            continue  # every key of the block comes after every query of this rank
+        part = attend_block(q, k_block, v_block, positions, k_positions, causal)
+        out, lse = merge_partials(out, lse, *part)
+    return out, lse
+# --8<-- [end:ring_attention]
