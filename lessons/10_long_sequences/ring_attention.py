@@ -229,6 +229,7 @@ def main(argv=None) -> int:
         f"backward), {args.length * (args.length + 1)} of them visible under the causal mask")
     if args.result and rank == 0:
         run.write_result(result, args.result, log)
+    dist.barrier()  # no rank leaves the group while another still talks to it
     dist.destroy_process_group()
     return 0
 

@@ -1,6 +1,10 @@
 """Lesson 10: long sequences. What the lesson rests on, checked on gloo/CPU ranks (and on CUDA
 where present):
 
+- a block of the running example split by tensor parallelism, with and without sequence
+  parallelism, computes the unsplit block's output and gradients; both send the same bytes, and
+  sequence parallelism keeps 2 B S (C + 2) (W - 1) / W fewer elements for the backward: the
+  layer norms' inputs and statistics, on S / W tokens instead of S;
 - the script's ring attention, backward written by hand, gives the outputs and the gradients of
   q, k and v that attention over the whole sequence gives in one process, for 1 to 4 ranks,
   contiguous and zig-zag, causal and not, trimmed or not;
@@ -39,6 +43,38 @@ from lesson10.common import (
 
 # Each task's CLAUSES (its contract, clause by clause, and the tests that fail when only that
 # clause is broken) are in the task's file; tests/test_course.py merges them and checks the names.
+
+SP_BLOCK = dict(vocab_size=1, n_embd=16, n_head=4, block_size=8, bias=True, dropout=0.0)
+
+
+def sp_run(ctx, sequence_parallel: bool):
+    script = load_lesson_module(LESSON, "sequence_parallel")
+    return script.measure(SP_BLOCK, 2, 8, sequence_parallel)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_keeps_less_and_sends_the_same_bytes(world):
+    B, S, C = 2, 8, SP_BLOCK["n_embd"]
+    tp = run_on_ranks(sp_run, False, world_size=world)
+    sp = run_on_ranks(sp_run, True, world_size=world)
+    for rank in range(world):
+        for name, got in (("tensor parallel", tp[rank]), ("sequence parallel", sp[rank])):
+            assert got["max_error"] < 1e-12, (
+                f"rank {rank}: the {name} block's output or gradients differ from the unsplit "
+                f"block's by {got['max_error']:.3g}")
+        assert sorted(tp[rank]["collectives"]) == ["allreduce_"] * 4, tp[rank]["collectives"]
+        assert sorted(sp[rank]["collectives"]) == (["_allgather_base_"] * 4
+                                                   + ["_reduce_scatter_base_"] * 4), (
+            sp[rank]["collectives"])
+        # 2 all-reduces each way of a B x S x C float64 activation, at 2 (W - 1) / W of it
+        assert tp[rank]["sent_bytes"] == sp[rank]["sent_bytes"] == (
+            4 * 2 * (world - 1) / world * B * S * C * 8), (tp[rank], sp[rank])
+        fewer = tp[rank]["kept_elements"] - sp[rank]["kept_elements"]
+        assert fewer == 2 * B * S * (C + 2) * (world - 1) // world, (
+            f"rank {rank}: sequence parallelism kept {fewer} fewer elements; the layer norms' "
+            f"inputs, means and reciprocal deviations on S / W tokens give "
+            f"{2 * B * S * (C + 2) * (world - 1) // world}")
+        assert tp[rank]["kept_elements"] < tp[rank]["whole_kept_elements"]
 
 BATCH, HEADS, HEAD_DIM = 2, 2, 4
 

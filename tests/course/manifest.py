@@ -176,7 +176,8 @@ COURSE: tuple[Lesson, ...] = (
            {"task10_1": "AllGatherSequence, ReduceScatterSequence",
             "task10_2": "merge_partials", "task10_3": "attend_block",
             "task10_4": "zigzag_split, zigzag_merge", "task10_5": "ring_attention"},
-           (Script("ring_attention.py", "torchrun", 2, ("--length", "16")),)),
+           (Script("sequence_parallel.py", "torchrun", 2, ("--length", "8", "--width", "16")),
+            Script("ring_attention.py", "torchrun", 2, ("--length", "16")))),
 )
 
 
