@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from harness.compare import assert_close
 from harness.exercises import load_lesson_module
-from harness.ranks import run_on_ranks
+from harness.ranks import group_params, run_on_ranks
 from lesson10.common import (
     GROUPS,
     LESSON,
@@ -194,3 +194,47 @@ def test_script_refuses_a_length_that_does_not_split(ring_script, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ring_attention.py" in err[0] and "--length 7" in err[0], err
     assert not dist.is_initialized()
+
+
+def torch_context_parallel_run(ctx):
+    """torch's context_parallel around F.scaled_dot_product_attention (its memory-efficient
+    CUDA kernel: context parallel handles only SDPA's CUDA kernels), against the same call on
+    the whole sequence, forward and backward."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mesh = init_device_mesh("cuda", (ctx.world_size,), mesh_dim_names=("cp",))
+    length = 32 * ctx.world_size  # 2W chunks of 16: the head-tail split applies
+    q, k, v = (seeded(i, 2, 4, length, 16, dtype=torch.float32).cuda() for i in range(3))
+    c = seeded(10, 2, 4, length, 16, dtype=torch.float32).cuda()
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        whole = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*whole, is_causal=True)
+        (want * c).sum().backward()
+        buffers = [t.clone() for t in (q, k, v, c)]  # sharded in place inside the context
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+            mine = [t.detach().requires_grad_(True) for t in buffers[:3]]  # this rank's tokens
+            out = F.scaled_dot_product_attention(*mine, is_causal=True)
+            (out * buffers[3]).sum().backward()
+            out, *grads = context_parallel_unshard(
+                mesh, [out.detach(), *(t.grad for t in mine)], [2] * 4)
+    return {"out": (out, want.detach()), **{name: (got, t.grad) for name, got, t in
+                                             zip("qkv", grads, whole, strict=True)}}
+
+
+@pytest.mark.parametrize("group", group_params(world_sizes=(), cuda_world_sizes=(),
+                                               nccl_world_sizes=(1, 2)))
+def test_torchs_context_parallel_equals_attention_on_the_whole_sequence(group):
+    """The GPU path: what the text says of torch's API, run. Not yet run on a GPU."""
+    world, backend, device = group
+    for rank, got in enumerate(run_on_ranks(torch_context_parallel_run, world_size=world,
+                                            backend=backend, device=device)):
+        for name, (mine, theirs) in got.items():
+            what = "the output" if name == "out" else f"the gradient of {name}"
+            assert_close(mine, theirs, f"{what} under torch's context_parallel", rank,
+                         rtol=1e-4, atol=1e-4)
+
