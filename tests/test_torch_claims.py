@@ -1344,3 +1344,13 @@ def test_context_parallel_all_gathers_by_default_and_balances_only_lengths_of_2w
     make = balancers._create_default_load_balancer
     assert isinstance(make(16, 4, "cpu"), balancers._HeadTailLoadBalancer)
     assert make(12, 4, "cpu") is None  # 12 tokens do not cut into 8 chunks
+    assert "is_causal" not in inspect.signature(make).parameters  # the mask plays no part
+
+
+def test_context_parallels_balanced_ring_refuses_attention_without_is_causal():
+    """Lesson 10: "its ring then refuses attention without is_causal ("Load balancing requires
+    is_causal=True")". The ring runs only on CUDA kernels: read from its source."""
+    attention, _ = _context_parallel_modules()
+    source = inspect.getsource(attention._templated_ring_attention)
+    assert "if not is_causal and _cp_options.enable_load_balance:" in source
+    assert "Load balancing requires `is_causal=True`." in source

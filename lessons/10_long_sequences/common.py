@@ -18,6 +18,8 @@ SCRIPT = f"lessons/{LESSON}/ring_attention.py"
 SCRIPT_ARGS = ("--batch-size", "2", "--heads", "2", "--length", "32", "--head-dim", "8")
 # gloo with CPU tensors (1 to 4 ranks); CUDA: gloo ranks sharing cuda:0, nccl one rank per GPU.
 GROUPS = group_params(world_sizes=(1, 2, 3, 4), cuda_world_sizes=(2,))
+# The ring sends and receives: gloo has no point-to-point for CUDA tensors, so nccl only there.
+RING_GROUPS = group_params(world_sizes=(1, 2, 3, 4), cuda_world_sizes=())
 TIGHT = {"rtol": 1e-9, "atol": 1e-9}  # float64 throughout
 
 

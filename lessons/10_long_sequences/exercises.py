@@ -90,12 +90,13 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     ``(out, lse)``: ``lse = log(exp(lse_a) + exp(lse_b))`` and
     ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``, row by row: exactly what
     attention over the union of the keys gives. Computed without overflow (lse may be in the
-    hundreds: subtract the larger one before exponentiating), with no NaN where one side is
-    -inf, and differentiable by autograd (torch operations only).
+    hundreds, and differ from row to row: subtract each row's larger lse before
+    exponentiating), with no NaN where one side is -inf, and differentiable by autograd (torch
+    operations only).
 
     The test checks it against ``F.scaled_dot_product_attention`` over the union of the keys,
-    on generated shapes, splits and score scales, with the gradients of every input, and with
-    rows that one side did not see.
+    on generated shapes, splits and score scales, with the gradients of every input, in float32
+    with rows whose lse are far apart, and with rows that one side did not see.
     """
     raise NotImplementedError("task10_2: the log-sum-exp rule, stably: subtract the larger lse")
 # --8<-- [end:merge_partials]
@@ -173,7 +174,8 @@ def ring_pass(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
     group = group or dist.group.WORLD
     to = dist.get_global_rank(group, (rank + 1) % world)
     source = dist.get_global_rank(group, (rank - 1) % world)
-    received = [torch.empty_like(t) for t in tensors]
+    # contiguous: a transposed tensor's strides would make a receive buffer torch refuses
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = []
     for tensor, into in zip(tensors, received, strict=True):
         ops.append(dist.P2POp(dist.isend, tensor.contiguous(), to, group))
@@ -187,7 +189,7 @@ def ring_pass(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    group=None, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries over the whole sequence, whose keys and values are split
-    across the group's ranks, without any rank holding more than one block of them at a time.
+    across the group's ranks, computed one block of keys and values at a time.
 
     ``q``, ``k``, ``v`` (B, H, T, D) are this rank's tokens, at ``positions`` (T,) in the whole
     sequence (any split: contiguous blocks, zig-zag; T is the same on every rank). Start with
@@ -200,8 +202,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     ``F.scaled_dot_product_attention`` with ``is_causal``).
 
     Autograd carries the gradient to ``q`` (and to this rank's own k and v) but not across
-    ``ring_pass`` to the keys and values other ranks hold: the lesson's ``ring_attention.py``
-    adds that backward by hand.
+    ``ring_pass`` to the keys and values other ranks hold, and it keeps every block's
+    probabilities for the backward: the lesson's ``ring_attention.py`` adds a backward by hand
+    that needs neither.
 
     The test runs 1 to 4 ranks with contiguous and zig-zag splits, causal and not, and
     compares out, lse and the gradient of q with ``F.scaled_dot_product_attention`` over the

@@ -73,7 +73,8 @@ def ring_pass(tensors, group=None):
     group = group or dist.group.WORLD
     to = dist.get_global_rank(group, (rank + 1) % world)
     source = dist.get_global_rank(group, (rank - 1) % world)
-    received = [torch.empty_like(t) for t in tensors]
+    # contiguous: a transposed tensor's strides would make a receive buffer torch refuses
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = []
     for tensor, into in zip(tensors, received, strict=True):
         ops.append(dist.P2POp(dist.isend, tensor.contiguous(), to, group))

@@ -184,11 +184,13 @@ def test_reduce_scatter_sequence_sums_forward_and_gathers_backward(ex, group, di
         check_calls(rank, got, "backward", "all_gather", nbytes, "ReduceScatterSequence")
 
 
-def refused_run(ctx):
+def refused_run(ctx, dim: int):
     ex = load_exercise(LESSON)
-    x = torch.zeros(2, 3 * ctx.world_size + 1, 4, device=ctx.device)
+    shape = [2 * ctx.world_size] * 3
+    shape[dim] = 3 * ctx.world_size + 1  # 7 tokens for 2 ranks along dim, the others divide
+    x = torch.zeros(shape, device=ctx.device)
     try:
-        ex.ReduceScatterSequence.apply(x, None, 1)
+        ex.ReduceScatterSequence.apply(x, None, dim)
     except ValueError as error:
         return str(error)
     except Exception as error:  # noqa: BLE001 - what the learner's code raised instead
@@ -197,11 +199,13 @@ def refused_run(ctx):
 
 
 @pytest.mark.task10_1
-def test_reduce_scatter_sequence_refuses_a_size_that_does_not_divide(ex):
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_reduce_scatter_sequence_refuses_a_size_that_does_not_divide(ex, dim):
     raise_if_untouched(ex.ReduceScatterSequence.forward)
-    for rank, message in enumerate(run_on_ranks(refused_run, world_size=2)):
+    for rank, message in enumerate(run_on_ranks(refused_run, dim, world_size=2)):
         assert message is not None, (
-            f"rank {rank}: ReduceScatterSequence took 7 tokens for 2 ranks: raise a "
+            f"rank {rank}: ReduceScatterSequence took 7 tokens for 2 ranks along dim {dim}: "
+            f"raise a "
             f"ValueError before any collective (torch would fail deep inside, or cut unevenly)")
         assert not message.startswith("not a ValueError"), f"rank {rank}: {message}"
         assert "7" in message and "2" in message, (

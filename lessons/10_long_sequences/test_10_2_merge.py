@@ -23,7 +23,7 @@ CLAUSES = {
         "out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b":
             ["test_merge_equals_attention_over_both_key_sets"],
         "differentiable by autograd": ["test_merge_equals_attention_over_both_key_sets"],
-        "no overflow with lse in the hundreds": ["test_merge_does_not_overflow"],
+        "no overflow with lse in the hundreds, row by row": ["test_merge_does_not_overflow"],
         "no NaN where one side is -inf, in the outputs and the gradients":
             ["test_merge_takes_the_other_side_where_one_saw_nothing"],
     },
@@ -64,13 +64,16 @@ def diagnose(out, out_a, out_b, lse, lse_a, lse_b) -> str:
 
 
 @pytest.mark.task10_2
-@pytest.mark.parametrize("level", [100.0, 300.0, 1000.0])
+@pytest.mark.parametrize("level", [100.0, 300.0, 1000.0, "rows apart"])
 def test_merge_does_not_overflow(ex, level):
-    """float32 overflows past e^88: two partials whose lse are in the hundreds."""
+    """float32 overflows past e^88: two partials whose lse are in the hundreds; or, "rows apart",
+    whose rows' lse go from 0 to 1000 (one maximum for every row would not do)."""
     out_a, out_b = seeded(1, 2, 3, 4, dtype=torch.float32), seeded(2, 2, 3, 4,
                                                                       dtype=torch.float32)
-    lse_a = level + seeded(3, 2, 3, dtype=torch.float32)
-    lse_b = level + seeded(4, 2, 3, dtype=torch.float32)
+    rows = torch.tensor([0.0, 500.0, 1000.0]) if level == "rows apart" else level
+    lse_a = rows + seeded(3, 2, 3, dtype=torch.float32)
+    lse_b = rows + seeded(4, 2, 3, dtype=torch.float32)
+    level = "0 to 1000" if level == "rows apart" else f"{level:g}"
     out, lse = ex.merge_partials(out_a, lse_a, out_b, lse_b)
     a, b = lse_a.double(), lse_b.double()
     want_lse = torch.logaddexp(a, b)
@@ -78,15 +81,16 @@ def test_merge_does_not_overflow(ex, level):
                 + torch.exp(b - want_lse)[..., None] * out_b.double())
     if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
         raise AssertionError(
-            f"merge_partials returned inf or NaN for lse near {level:g} in float32 (e^88 "
-            f"overflows): subtract the larger lse before exponentiating, "
-            f"lse = m + log(exp(lse_a - m) + exp(lse_b - m)) with m = max(lse_a, lse_b)")
+            f"merge_partials returned inf or NaN for lse near {level} in float32 (e^88 "
+            f"overflows): subtract each row's larger lse before exponentiating, "
+            f"lse = m + log(exp(lse_a - m) + exp(lse_b - m)) with m = max(lse_a, lse_b), "
+            f"element by element")
     why = diagnose(out, out_a, out_b, lse, lse_a, lse_b)
     try:
-        assert_close(lse, want_lse.float(), f"merge_partials' lse near {level:g} (float32)",
+        assert_close(lse, want_lse.float(), f"merge_partials' lse near {level} (float32)",
                      rtol=1e-6, atol=2e-4)
         # float32 keeps lse near 1000 to 6e-5, and so each weight e^(lse_a - lse) to about 1e-4
-        assert_close(out, want_out.float(), f"merge_partials' out near {level:g} (float32)",
+        assert_close(out, want_out.float(), f"merge_partials' out near {level} (float32)",
                      rtol=1e-5, atol=2e-4)
     except AssertionError as error:
         raise AssertionError(f"{error}{why}") from None

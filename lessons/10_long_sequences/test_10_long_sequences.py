@@ -31,8 +31,8 @@ from harness.compare import assert_close
 from harness.exercises import load_lesson_module
 from harness.ranks import group_params, run_on_ranks
 from lesson10.common import (
-    GROUPS,
     LESSON,
+    RING_GROUPS,
     TIGHT,
     LargestTensor,
     reference_attention,
@@ -113,7 +113,7 @@ def whole(length: int, causal: bool) -> dict:
 @pytest.mark.parametrize("causal, trim", [(True, True), (True, False), (False, False)],
                          ids=["causal-trimmed", "causal-whole-blocks", "full"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("group", RING_GROUPS)
 def test_ring_attention_by_hand_gives_the_gradients_of_one_process(group, layout, causal, trim):
     world, backend, device = group
     results = run_on_ranks(by_hand_run, layout, causal, trim, 6, world_size=world,

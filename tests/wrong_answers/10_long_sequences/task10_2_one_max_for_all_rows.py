@@ -1,0 +1,9 @@
+"""Subtracts one maximum for every row instead of each row's own: rows whose lse are far apart
+underflow to 0 / 0."""
+
+TASK = "task10_2"
+EXPECT = r"each row's larger lse"
+REPLACE = {"merge_partials": [
+    ("    top = torch.maximum(lse_a, lse_b)  # finite: one side at least saw a key\n",
+     "    top = torch.maximum(lse_a.max(), lse_b.max())\n"),
+]}
