@@ -197,15 +197,16 @@ def measure(config: dict, batch_size: int, length: int, sequence_parallel: bool,
     errors = [(out.detach() - expected).abs().max()]
     for name, p in block.named_parameters():
         grad = p.grad
-        split = name.rsplit(".", 1)[0]
-        if sequence_parallel and split not in COLUMN and not (split in ROW and
-                                                               name.endswith("weight")):
+        layer = name.rsplit(".", 1)[0]
+        column = layer in COLUMN  # its weight's rows and its bias are sliced
+        sliced = column or (layer in ROW and name.endswith("weight"))  # a row's bias is whole
+        if sequence_parallel and not sliced:
             grad = grad.clone()  # each rank saw its tokens only: the sum is the gradient
             dist.all_reduce(grad)
-        if split in COLUMN or (split in ROW and name.endswith("weight")):
-            n = p.shape[0 if split in COLUMN else 1] // world
+        if sliced:
+            n = p.shape[0 if column else 1] // world
             part = slice(rank * n, (rank + 1) * n)
-            grad, want = ((grad[part], whole[name][part]) if split in COLUMN
+            grad, want = ((grad[part], whole[name][part]) if column
                           else (grad[:, part], whole[name][:, part]))
         else:
             want = whole[name]
