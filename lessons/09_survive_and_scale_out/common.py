@@ -30,6 +30,10 @@ ELASTIC = tuple(item for name, value in ELASTIC_RUN.items()
 ELASTIC_RESUME = ELASTIC_RUN["lose_node_at_step"] // ELASTIC_RUN["save_every"] * \
     ELASTIC_RUN["save_every"]
 ELASTIC_RDZV = {"last_call_timeout": 5, "keep_alive_interval": 1, "keep_alive_max_attempt": 2}
+# How long each of conftest.py's background launches may run before it counts as a hang. The four
+# start together and share the machine with the other checks: the elastic job takes 34 s alone on
+# two cores and 80 s beside the other three; CI, grading several runs at once, saw it pass 90 s.
+LAUNCH_TIMEOUT = 180
 CONFIG = dict(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
 
 # LOGLEVEL=INFO: torchrun shows its agent's decisions (warnings and errors only otherwise).

@@ -11,6 +11,7 @@ from harness.launch import free_port, path_with, start_first, start_nodes, start
 from lesson09.common import (
     ELASTIC,
     ELASTIC_RDZV,
+    LAUNCH_TIMEOUT,
     LESSON,
     PREEMPTED,
     RESILIENT,
@@ -42,11 +43,12 @@ def launches(tmp_path_factory):
         "restart": start_script(RESILIENT, *common, "--checkpoint-dir", str(folders["restart"]),
                                 "--crash-at-step", "5", launcher="torchrun", nproc=2,
                                 launcher_args=("--max-restarts=1",), env=RESTARTABLE,
-                                timeout=90),
+                                timeout=LAUNCH_TIMEOUT),
         # One process: the last rank is rank 0, and one fewer process to start.
         "no-restart": start_script(RESILIENT, *common, "--checkpoint-dir",
                                    str(folders["no-restart"]), "--crash-at-step", "5",
-                                   launcher="torchrun", nproc=1, check=False, timeout=90),
+                                   launcher="torchrun", nproc=1, check=False,
+                                   timeout=LAUNCH_TIMEOUT),
     }
     # Two nodes on this machine: the batch script, with stand-ins for sbatch (slurm/sbatch) and
     # srun (slurm/srun, one task per emulated node, hosts 127.0.0.1 and 127.0.0.2, each a
@@ -54,7 +56,8 @@ def launches(tmp_path_factory):
     # as SLURM does before the time limit; the job stops, requeues itself, starts again, resumes.
     folders["two nodes"] = tmp_path_factory.mktemp("slurm")
     runs["two nodes"] = start_script(
-        f"lessons/{LESSON}/slurm/sbatch", SBATCH, *PREEMPTED, launcher="bash", timeout=120,
+        f"lessons/{LESSON}/slurm/sbatch", SBATCH, *PREEMPTED, launcher="bash",
+        timeout=LAUNCH_TIMEOUT,
         env={"PATH": path_with(REPO_ROOT / SBATCH.rsplit("/", 1)[0]), "SAVE_EVERY": "3",
              "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4242", "FAKE_SLURM_NODES": "2",
              "CHECKPOINTS": str(folders["two nodes"]),
@@ -65,7 +68,7 @@ def launches(tmp_path_factory):
     runs["elastic"] = start_nodes(
         SHARDED, *ELASTIC, "--checkpoint-dir", str(folders["elastic"]), min_nodes=1,
         rdzv_conf=ELASTIC_RDZV, launcher_args=("--max-restarts=1",), job="elastic", check=False,
-        env=RESTARTABLE, timeout=90)
+        env=RESTARTABLE, timeout=LAUNCH_TIMEOUT)
     yield {"runs": runs, "folders": folders}
     for run in runs.values():
         for launch in run if isinstance(run, list) else [run]:

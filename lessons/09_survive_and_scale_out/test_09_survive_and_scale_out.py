@@ -51,6 +51,7 @@ from lesson09.common import (
     ELASTIC_RUN,
     ENVIRONMENTS,
     JOB,
+    LAUNCH_TIMEOUT,
     LESSON,
     NODELISTS,
     PREEMPTED_RUN,
@@ -151,6 +152,7 @@ def uninterrupted() -> str:
 
 
 @pytest.mark.slow  # a torchrun launch
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(launches, uninterrupted):
     run = launches["runs"]["restart"].result()
     assert "killing itself after step 5" in run.output
@@ -166,6 +168,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(launches, u
 
 
 @pytest.mark.slow  # a torchrun launch
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
     run = launches["runs"]["no-restart"].result()
     assert run.returncode != 0
@@ -177,6 +180,7 @@ def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
 
 
 @pytest.mark.slow  # the batch job, twice
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_a_slurm_job_of_two_nodes_gives_each_rank_its_place(launches):
     run = launches["runs"]["two nodes"].result()
     first, _, again = run.output.partition("sbatch (stand-in): job 4242 starts again")
@@ -189,6 +193,7 @@ def test_a_slurm_job_of_two_nodes_gives_each_rank_its_place(launches):
 
 
 @pytest.mark.slow  # the batch job, twice
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_a_job_signalled_before_its_time_limit_saves_requeues_and_resumes_exactly(launches):
     """SIGUSR1 to the batch shell (--signal=B:USR1@90) -> SIGTERM to srun -> every node's
     torchrun -> its ranks: they stop at one step boundary, save it, exit with 143; the job is
@@ -323,6 +328,7 @@ def test_the_newest_k_checkpoints_are_kept_and_a_save_holds_the_step_it_was_aske
             f"that did not copy the state before training went on?)")
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_an_elastic_job_that_loses_a_node_goes_on_as_a_smaller_job_from_its_checkpoint(
         launches):
     """torchrun --nnodes=1:2 --max-restarts=1: node 1 (its agent and its process) is killed
