@@ -23,17 +23,25 @@ its script, ring_attention.py:
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
+from gpt import GPT, CharDataset, GPTConfig, run
+from gpt.model import causal_attention
 
-from harness.compare import assert_close
+from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_lesson_module
+from harness.hardware import gpu_marks
+from harness.launch import one_process_fit, run_script
 from harness.ranks import group_params, run_on_ranks
 from lesson10.common import (
     LESSON,
     RING_GROUPS,
     TIGHT,
+    TRAIN,
+    TRAIN_SCRIPT,
     LargestTensor,
     reference_attention,
     seeded,
@@ -194,6 +202,107 @@ def test_script_refuses_a_length_that_does_not_split(ring_script, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ring_attention.py" in err[0] and "--length 7" in err[0], err
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------ train_cp.py: the running example
+
+# Another summation order, with AdamW amplifying rounding where a gradient is rounding noise
+# (lesson 03 measured this bound).
+SAME_STEPS = {"rtol": 1e-3, "atol": 2e-4}
+
+
+def train_cp_module():
+    """train_cp.py as torchrun runs it, beside the ring_attention.py it imports by name."""
+    sys.modules.setdefault("ring_attention", load_lesson_module(LESSON, "ring_attention"))
+    return load_lesson_module(LESSON, "train_cp")
+
+
+def cp_gradients_on_rank(ctx, length: int):
+    """One forward and backward of the running example on this rank's zig-zag share of a batch
+    of sequences, the ring in every block; the gradients summed over the ranks (what DDP's
+    average over the ranks of a cp group gives, times W). Also the same step in one process."""
+    script = train_cp_module()
+    dataset = CharDataset(length)
+    config = GPTConfig.named("tiny", vocab_size=dataset.vocab_size, block_size=length)
+    inputs, targets = (torch.stack(t) for t in zip(*(dataset[i] for i in range(4)), strict=True))
+    alone = GPT(config)
+    _, loss = run.next_char_loss(alone, inputs, targets)
+    loss.backward()
+    model = GPT(config)
+    positions = script.zigzag_split(torch.arange(length), ctx.world_size, 0)[ctx.rank]
+    with script.ring_attention(model, positions, None):
+        keep = script.keep(positions)
+        _, loss = run.next_char_loss(model, *keep(list(zip(inputs, targets, strict=True))),
+                                     positions=positions)
+        loss.backward()
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    restored = all(block.attn.attend is causal_attention for block in model.blocks)
+    return {"split": {n: p.grad / ctx.world_size for n, p in model.named_parameters()},
+            "alone": {n: p.grad for n, p in alone.named_parameters()}, "restored": restored}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_train_cp_steps_give_the_gradients_of_one_process(world):
+    """The running example with every sequence split zig-zag across the ranks and the ring in
+    every block: the mean of the ranks' gradients is one process's on whole sequences, every
+    parameter (the position embedding's too: a rank's tokens keep their places); outside the
+    context manager the blocks attend in one process again."""
+    for rank, got in enumerate(run_on_ranks(cp_gradients_on_rank, 16, world_size=world)):
+        for name, gradient in got["split"].items():
+            assert_close(gradient, got["alone"][name], f"the gradient of {name}, cp {world} "
+                         "vs one process on whole sequences", rank, rtol=1e-4, atol=1e-6)
+        assert got["restored"], "after ring_attention(...) the blocks still attend across ranks"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_on_ranks(one_process_fit, 64, world_size=1, timeout=120)[0]
+
+
+@pytest.mark.slow
+def test_train_cp_on_four_ranks_trains_what_one_process_trains(train_run, reference):
+    """train_cp.py under torchrun, dp 2 x cp 2 with 8 windows per row: the losses and weights
+    of lesson 03's one process on batches of 16; sampling (whole sequences, attention in one
+    process) gives the same text before training."""
+    launch, checkpoint = train_run
+    data = launch.result().data
+    assert (data["world_size"], data["dp"], data["cp"]) == (4, 2, 2), data
+    for key in ("train_loss", "val_loss", "val_accuracy"):
+        assert_close(torch.tensor(data[key]), torch.tensor(reference["result"][key]),
+                     f"dp 2 x cp 2 vs one process x 16: {key} per epoch", **SAME_STEPS)
+    weights = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert_parameters_close(weights, reference["state"], what="trained parameter, dp 2 x cp 2 "
+                            "vs one process", **SAME_STEPS)
+    assert data["sample_before"] == reference["result"]["sample_before"], data["sample_before"]
+
+
+@pytest.mark.parametrize("argv, env, said", [
+    (["--cp", "2"], {}, "--cp 2: cp must divide the processes (1)"),
+    (["--cp", "3", "--size", "tiny"], {}, "--cp 3: cp must divide the processes (1) and 2 x cp "
+     "the tiny model's 32 positions; try --cp 1"),
+    ([], {"WORLD_SIZE": "3"}, "--cp 3 (the default: every process): cp must divide"),
+])
+def test_train_cp_refuses_a_degree_that_does_not_fit(argv, env, said):
+    """Before any process group: the degree must divide the processes, and twice the degree
+    the sequence (zig-zag's chunks); an error that names the script and a degree that fits."""
+    run = run_script(TRAIN_SCRIPT, *argv, result=False, check=False, env=env)
+    assert run.returncode == 2, run.output[-2000:]
+    assert f"train_cp.py: error: {said}" in run.output, run.output[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus", [pytest.param(n, marks=gpu_marks(n, f"nccl, cp {n}"),
+                                               id=f"cp{n}") for n in (1, 2)])
+def test_train_cp_on_gpus_trains_what_one_process_trains_on_the_cpu(reference, gpus):
+    """On GPUs the ring runs on nccl, one GPU per rank, every rank in one cp group: the CPU
+    reference's losses to CUDA's rounding. Not yet run on a GPU."""
+    run = run_script(TRAIN_SCRIPT, *TRAIN, "--batch-size", "16", launcher="torchrun", nproc=gpus)
+    assert (run.data["backend"], run.data["device"], run.data["cp"]) == ("nccl", "cuda:0",
+                                                                         gpus), run.data
+    for key in ("train_loss", "val_loss"):
+        assert_close(torch.tensor(run.data[key]), torch.tensor(reference["result"][key]),
+                     f"cp {gpus} on GPUs vs one CPU process x 16: {key}", rtol=1e-4, atol=1e-5)
 
 
 def torch_context_parallel_run(ctx):

@@ -8,7 +8,10 @@ Built so that the later lessons can cut it without rewriting it:
 - pipeline parallel cuts ``GPT.blocks`` (an ``nn.ModuleList``) between blocks: ``GPTStage`` is
   one run of blocks, with the embeddings or the head at the ends. The lm head is not tied to the
   token embedding, so the first and last stages share no weight;
-- FSDP2 wraps each ``Block``, then the whole model.
+- FSDP2 wraps each ``Block``, then the whole model;
+- context parallel gives each rank some positions of every sequence: ``GPT.forward`` takes
+  ``positions``, and each block's attention calls ``attend``, which lesson 10 replaces with
+  attention across the ranks (a ring) while it trains.
 """
 
 from __future__ import annotations
@@ -49,7 +52,17 @@ class GPTConfig:
         return cls(vocab_size=vocab_size, **{**SIZES[size], **overrides})
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of q over k and v, all (B, heads, T, head_dim), in one process."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
+    # The attention itself, (q, k, v, dropout_p) -> y: lesson 10 sets a block's own while its
+    # ranks each hold part of every sequence.
+    attend = staticmethod(causal_attention)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must split evenly into heads"
@@ -68,8 +81,7 @@ class CausalSelfAttention(nn.Module):
         # tensor parallelism a rank holds only some of the heads.
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.out_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
@@ -136,11 +148,16 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean loss."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean loss.
+        ``positions`` (T,): where idx's tokens sit in their sequence, 0 to T - 1 unless given
+        (lesson 10's ranks each hold some positions of every sequence)."""
         T = idx.shape[1]
         assert T <= self.config.block_size, f"{T} tokens > block_size {self.config.block_size}"
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device)))
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))

@@ -161,20 +161,24 @@ def windows(size: str, train_windows: int | None = None):
 
 
 def next_char_loss(model, inputs, targets, amp: torch.dtype | None = None,
-                   reduction: str = "mean"):
+                   reduction: str = "mean", positions: torch.Tensor | None = None):
     """Logits for every position, and the cross-entropy of predicting each next character.
     ``amp``: the autocast dtype (``torch.bfloat16``, ``torch.float16``), or None for none. The
     targets meet the logits where the model put them (a model split across devices ends on
-    its last one; elsewhere this moves nothing)."""
+    its last one; elsewhere this moves nothing). ``positions``: where the inputs' tokens sit in
+    their sequences, for the model, when they are not all of it (lesson 10)."""
+    given = {} if positions is None else {"positions": positions}
     with torch.autocast(inputs.device.type, dtype=amp, enabled=amp is not None):
-        logits, _ = model(inputs)
+        logits, _ = model(inputs, **given)
     targets = targets.to(logits.device)
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
     return logits, loss
 
 
-def evaluate(model, loader, device, amp: torch.dtype | None = None) -> tuple[float, float]:
-    """Exact mean loss per character and next-character accuracy, however the batches fall."""
+def evaluate(model, loader, device, amp: torch.dtype | None = None,
+             positions: torch.Tensor | None = None) -> tuple[float, float]:
+    """Exact mean loss per character and next-character accuracy, however the batches fall.
+    ``positions``: as for :func:`next_char_loss`."""
     was_training = model.training
     model.eval()
     loss_sum, correct, seen = 0.0, 0, 0  # tensors on the device after the first batch
@@ -183,7 +187,7 @@ def evaluate(model, loader, device, amp: torch.dtype | None = None) -> tuple[flo
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             # A sum, not a mean: the short last batch must weigh by its size, not as a full one.
-            logits, loss = next_char_loss(model, inputs, targets, amp, reduction="sum")
+            logits, loss = next_char_loss(model, inputs, targets, amp, "sum", positions)
             loss_sum += loss
             correct += (logits.argmax(dim=-1) == targets.to(logits.device)).sum()
             seen += targets.numel()

@@ -177,7 +177,13 @@ COURSE: tuple[Lesson, ...] = (
             "task10_2": "merge_partials", "task10_3": "attend_block",
             "task10_4": "zigzag_split, zigzag_merge", "task10_5": "ring_attention"},
            (Script("sequence_parallel.py", "torchrun", 2, ("--length", "8", "--width", "16")),
-            Script("ring_attention.py", "torchrun", 2, ("--length", "16")))),
+            Script("ring_attention.py", "torchrun", 2, ("--length", "16")),
+            # 80 changed: the dp x cp mesh and its sampler (as lesson 06's), each rank's share of
+            # every sequence (the collate), the ring swapped into the blocks, the validation
+            # summed over a row's ranks, the check of the degree; bf16 taken out (the ring
+            # computes in fp32).
+            Script("train_cp.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py",
+                   max_changed=80))),
 )
 
 
