@@ -7,20 +7,33 @@ Both versions give each rank its heads and its share of the MLP's hidden feature
 Tensor parallelism alone keeps the whole sequence between the split regions: the layer norms
 and the residual stream run on every token on every rank, and *f* and *g* all-reduce. With
 sequence parallelism a rank keeps only its tokens there, and *f* and *g* become an all-gather
-and a reduce-scatter. Every rank prints nothing; rank 0 prints, for each version, how far its
-output and gradients are from the unsplit block's, the elements autograd keeps for the
-backward, and the bytes each rank sends, counted as torch dispatches the collectives.
+and a reduce-scatter. The third version is the second done torch's way: DTensor layouts
+(``SequenceParallel`` on the layer norms, the residual stream ``Shard(1)``) applied with
+``parallelize_module``. Rank 0 prints, for each version, how far its output and every gradient
+are from the unsplit block's, the elements autograd keeps for the backward, and the bytes each
+rank sends, counted as torch dispatches the collectives.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
@@ -140,6 +153,19 @@ def split_block(block: Block, x: torch.Tensor, sequence_parallel: bool) -> torch
     return x + row(mlp.down_proj, F.gelu(column(mlp.up_proj, h)))
 
 
+def dtensor_plan() -> dict:
+    """The same split with torch's layouts. The residual stream is ``Shard(1)``: each rank's
+    tokens. ``SequenceParallel`` runs a layer norm on them; ``PrepareModuleInput`` all-gathers
+    them into one replicated DTensor as attention and the MLP begin (*f*); the row-parallel
+    layers reduce-scatter their partial sums back to ``Shard(1)`` (*g*)."""
+    stream, whole = (Shard(1),), (Replicate(),)
+    return {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=stream, desired_input_layouts=whole),
+            "mlp": PrepareModuleInput(input_layouts=stream, desired_input_layouts=whole),
+            **{name: ColwiseParallel() for name in COLUMN},
+            **{name: RowwiseParallel(output_layouts=stream[0]) for name in ROW}}
+
+
 class SentBytes(TorchDispatchMode):
     """The bytes this rank sends, by the ring formulas of lesson 08, for each collective torch
     dispatches: all-gather and reduce-scatter (W - 1) / W of the whole, all-reduce twice that."""
@@ -149,34 +175,53 @@ class SentBytes(TorchDispatchMode):
         self.world, self.bytes, self.calls = world, 0.0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__ if func.namespace == "c10d" else None
+        # c10d: the process group's own calls (an all-gather's first argument is its output);
+        # _c10d_functional: DTensor's, which return their result (the first is the input)
+        name = func.overloadpacket.__name__
         share = (self.world - 1) / self.world
-        if name == "_allgather_base_":
-            self.bytes += share * args[0].nbytes  # args: output, input
-        elif name == "_reduce_scatter_base_":
-            self.bytes += share * args[1].nbytes  # args: output, input
-        elif name == "allreduce_":
-            self.bytes += 2 * share * sum(t.nbytes for t in args[0])
-        if name:
+        sent = None
+        if func.namespace == "c10d" and name == "_allgather_base_":
+            sent = share * args[0].nbytes
+        elif func.namespace == "c10d" and name == "_reduce_scatter_base_":
+            sent = share * args[1].nbytes
+        elif func.namespace == "c10d" and name == "allreduce_":
+            sent = 2 * share * sum(t.nbytes for t in args[0])
+        elif func.namespace == "_c10d_functional" and name == "all_gather_into_tensor":
+            sent = share * self.world * args[0].nbytes
+        elif func.namespace == "_c10d_functional" and name == "reduce_scatter_tensor":
+            sent = share * args[0].nbytes
+        elif func.namespace == "_c10d_functional" and name == "all_reduce":
+            sent = 2 * share * args[0].nbytes
+        if sent is not None:
+            self.bytes += sent
             self.calls.append(name)
         return func(*args, **(kwargs or {}))
 
 
-def measure(config: dict, batch_size: int, length: int, sequence_parallel: bool,
-            seed: int = 0) -> dict:
-    """This rank's split block against the whole block, forward and backward: the largest
-    difference, the elements autograd kept (activations, not weights) and the bytes sent."""
+VERSIONS = ("tensor parallel", "tensor + sequence parallel", "the same with DTensor")
+
+
+def measure(config: dict, batch_size: int, length: int, version: str, seed: int = 0) -> dict:
+    """This rank's split block (one of ``VERSIONS``) against the whole block, forward and
+    backward: the largest difference, the elements autograd kept (activations, not weights)
+    and the bytes sent."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    sequence_parallel = version != VERSIONS[0]
     torch.manual_seed(seed)  # every rank: the same block, the same input
     block = Block(GPTConfig(**config)).double()
     x = torch.randn(batch_size, length, config["n_embd"], dtype=torch.float64)
     c = torch.randn(batch_size, length, config["n_embd"], dtype=torch.float64)
-    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    split = block
+    if version == VERSIONS[2]:  # a copy, its weights made DTensors, each rank's slices
+        split = parallelize_module(copy.deepcopy(block), init_device_mesh("cpu", (world,)),
+                                   dtensor_plan())
+    weights = {local(p).untyped_storage().data_ptr()
+               for module in (block, split) for p in module.parameters()}
     kept = []
 
     def pack(tensor):  # a weight (or a slice of one) is not an activation
-        if tensor.untyped_storage().data_ptr() not in weights:
-            kept.append(tensor.numel())
+        if local(tensor).untyped_storage().data_ptr() not in weights:
+            kept.append(local(tensor).numel())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -191,12 +236,16 @@ def measure(config: dict, batch_size: int, length: int, sequence_parallel: bool,
     out_whole = out_whole.detach()
     with SentBytes(world) as sent:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = split_block(block, mine, sequence_parallel)
+            out = (split(mine) if split is not block
+                   else split_block(block, mine, sequence_parallel))
         out.mul(c[:, tokens] if sequence_parallel else c).sum().backward()
     expected = out_whole[:, tokens] if sequence_parallel else out_whole
     errors = [(out.detach() - expected).abs().max()]
-    for name, p in block.named_parameters():
+    for name, p in split.named_parameters():
         grad = p.grad
+        if isinstance(grad, DTensor):  # its slices gathered, its partial sums added
+            errors.append((grad.full_tensor() - whole[name]).abs().max())
+            continue
         layer = name.rsplit(".", 1)[0]
         column = layer in COLUMN  # its weight's rows and its bias are sliced
         sliced = column or (layer in ROW and name.endswith("weight"))  # a row's bias is whole
@@ -215,6 +264,11 @@ def measure(config: dict, batch_size: int, length: int, sequence_parallel: bool,
     dist.all_reduce(error, op=dist.ReduceOp.MAX)
     return {"max_error": error.item(), "kept_elements": sum(kept), "sent_bytes": sent.bytes,
             "collectives": sent.calls, "whole_kept_elements": whole_kept}
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -253,13 +307,12 @@ def main(argv=None) -> int:
     log(f"{'version':<28} {'largest error':>13} {'kept for backward':>18} "
         f"{'bytes sent per rank':>20}")
     result = {"world_size": world, "batch_size": B, "length": S, "width": C, "versions": {}}
-    for name, sequence_parallel in (("tensor parallel", False),
-                                    ("tensor + sequence parallel", True)):
-        found = measure(config, B, S, sequence_parallel)
+    for name in VERSIONS:
+        found = measure(config, B, S, name)
         result["versions"][name] = found
         log(f"{name:<28} {found['max_error']:>13.1e} {found['kept_elements']:>18,} "
             f"{found['sent_bytes']:>20,.0f}")
-    tp, sp = result["versions"].values()
+    tp, sp, _ = result["versions"].values()
     log(f"{'one process, the whole block':<28} {'':>13} {tp['whole_kept_elements']:>18,} "
         f"{0:>20}")
     fewer = tp["kept_elements"] - sp["kept_elements"]
@@ -270,6 +323,7 @@ def main(argv=None) -> int:
     if args.result and rank == 0:
         run.write_result(result, args.result, log)
     dist.barrier()  # no rank leaves the group while another still talks to it
+    gc.collect()  # the DTensor block's device mesh holds the group: free it first
     dist.destroy_process_group()
     return 0
 

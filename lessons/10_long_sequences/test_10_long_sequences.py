@@ -5,6 +5,8 @@ where present):
   parallelism, computes the unsplit block's output and gradients; both send the same bytes, and
   sequence parallelism keeps 2 B S (C + 2) (W - 1) / W fewer elements for the backward: the
   layer norms' inputs and statistics, on S / W tokens instead of S;
+  DTensor's sequence-parallel plan is the same split: the same collectives, bytes and kept
+  elements, and every gradient of the unsplit block;
 - the script's ring attention, backward written by hand, gives the outputs and the gradients of
   q, k and v that attention over the whole sequence gives in one process, for 1 to 4 ranks,
   contiguous and zig-zag, causal and not, trimmed or not;
@@ -55,16 +57,19 @@ from lesson10.common import (
 SP_BLOCK = dict(vocab_size=1, n_embd=16, n_head=4, block_size=8, bias=True, dropout=0.0)
 
 
-def sp_run(ctx, sequence_parallel: bool):
+def sp_run(ctx, version: str):
     script = load_lesson_module(LESSON, "sequence_parallel")
-    return script.measure(SP_BLOCK, 2, 8, sequence_parallel)
+    return script.measure(SP_BLOCK, 2, 8, version)
+
+
+TP, SP, DTENSOR = "tensor parallel", "tensor + sequence parallel", "the same with DTensor"
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_keeps_less_and_sends_the_same_bytes(world):
     B, S, C = 2, 8, SP_BLOCK["n_embd"]
-    tp = run_on_ranks(sp_run, False, world_size=world)
-    sp = run_on_ranks(sp_run, True, world_size=world)
+    tp = run_on_ranks(sp_run, TP, world_size=world)
+    sp = run_on_ranks(sp_run, SP, world_size=world)
     for rank in range(world):
         for name, got in (("tensor parallel", tp[rank]), ("sequence parallel", sp[rank])):
             assert got["max_error"] < 1e-12, (
@@ -83,6 +88,24 @@ def test_sequence_parallel_keeps_less_and_sends_the_same_bytes(world):
             f"inputs, means and reciprocal deviations on S / W tokens give "
             f"{2 * B * S * (C + 2) * (world - 1) // world}")
         assert tp[rank]["kept_elements"] < tp[rank]["whole_kept_elements"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_sequence_parallel_is_the_same_split(world):
+    """sequence_parallel.py's DTensor plan (SequenceParallel on the norms, the stream Shard(1)):
+    the unsplit block's output and every gradient (each parameter's slices gathered, the layer
+    norms' partial sums added); the collectives, bytes and kept elements of the split by hand."""
+    by_hand = run_on_ranks(sp_run, SP, world_size=world)
+    dtensor = run_on_ranks(sp_run, DTENSOR, world_size=world)
+    for rank, (mine, theirs) in enumerate(zip(by_hand, dtensor, strict=True)):
+        assert theirs["max_error"] < 1e-12, (
+            f"rank {rank}: DTensor's block differs from the unsplit block's output or some "
+            f"gradient by {theirs['max_error']:.3g}")
+        assert sorted(theirs["collectives"]) == (["all_gather_into_tensor"] * 4
+                                                 + ["reduce_scatter_tensor"] * 4), (
+            theirs["collectives"])
+        for key in ("sent_bytes", "kept_elements"):
+            assert theirs[key] == mine[key], (rank, key, theirs[key], mine[key])
 
 BATCH, HEADS, HEAD_DIM = 2, 2, 4
 
