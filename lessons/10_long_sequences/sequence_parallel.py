@@ -168,7 +168,8 @@ def dtensor_plan() -> dict:
 
 class SentBytes(TorchDispatchMode):
     """The bytes this rank sends, by the ring formulas of lesson 08, for each collective torch
-    dispatches: all-gather and reduce-scatter (W - 1) / W of the whole, all-reduce twice that."""
+    dispatches: all-gather and reduce-scatter (W - 1) / W of the whole, all-reduce twice that;
+    a send, what it sends."""
 
     def __init__(self, world: int):
         super().__init__()
@@ -192,6 +193,8 @@ class SentBytes(TorchDispatchMode):
             sent = share * args[0].nbytes
         elif func.namespace == "_c10d_functional" and name == "all_reduce":
             sent = 2 * share * args[0].nbytes
+        elif func.namespace == "c10d" and name == "send":  # a point-to-point send (the ring)
+            sent = sum(t.nbytes for t in args[0])
         if sent is not None:
             self.bytes += sent
             self.calls.append(name)

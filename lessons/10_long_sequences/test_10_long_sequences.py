@@ -63,6 +63,8 @@ def sp_run(ctx, version: str):
 
 
 TP, SP, DTENSOR = "tensor parallel", "tensor + sequence parallel", "the same with DTensor"
+DP_, TP_, SP_, CP_ = ("data parallel", "tensor parallel", "tensor + sequence parallel",
+                      "context parallel")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -227,6 +229,63 @@ def test_script_refuses_a_length_that_does_not_split(ring_script, capsys):
     assert not dist.is_initialized()
 
 
+# ------------------------------------------------------- memory_by_length.py: memory against S
+
+def memory_run(ctx, lengths, width, heads):
+    script = script_module("memory_by_length")
+    return {f"{method}, {length}": script.measure_block(method, length, width, heads)
+            for length in lengths for method in script.METHODS}
+
+
+def kept_per_token(method: str, C: int, H: int, W: int) -> float:
+    """The README's count, elements kept per token of the sequence (float32, each tensor
+    once): one process 16C + H + 4; TP splits 12C + H; TP + SP also 2C + 4; CP all, plus the
+    ring's own output (C)."""
+    return {"data parallel": 16 * C + H + 4, "tensor parallel": 4 * C + 4 + (12 * C + H) / W,
+            "tensor + sequence parallel": 2 * C + (14 * C + H + 4) / W,
+            "context parallel": (17 * C + H + 4) / W}[method]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_per_rank_is_what_the_text_counts(world):
+    """memory_by_length.py's measurements: the bytes each rank keeps for one block's backward,
+    tensor by tensor, are the README's count for every method and length (positions, int64,
+    on top for context parallelism); the parameters are whole but for tensor parallelism's
+    slices; the bytes sent, forward and backward, are the table's; context parallelism keeps
+    least, then TP + SP, TP, and one process."""
+    C, H = 16, 4
+    lengths = (16, 32)
+    whole = 12 * C * C + 13 * C
+    sliced = 12 * C * C + 7 * C
+    for rank, got in enumerate(run_on_ranks(memory_run, lengths, C, H, world_size=world)):
+        for length in lengths:
+            for method in (TP_, SP_, DP_, CP_):
+                found = got[f"{method}, {length}"]
+                want = 4 * length * kept_per_token(method, C, H, world)
+                want += 8 * length / world if method == CP_ else 0
+                assert found["activations"] == want, (rank, method, length, found, want)
+                params = 4 * (sliced / world + whole - sliced if method.startswith("tensor")
+                              else whole)
+                assert found["parameters"] == params, (rank, method, found, params)
+                stream = 4 * length * C  # bytes of one sequence's stream, keys or values
+                sent = {DP_: 0, TP_: 8 * (world - 1) / world * stream,
+                        SP_: 8 * (world - 1) / world * stream,
+                        CP_: (6 * world - 4) / world * stream
+                        + 2 * (world - 1) * 8 * length / world}[method]
+                assert found["sent"] == pytest.approx(sent, rel=1e-12), (rank, method, found,
+                                                                          sent)
+            kept = [got[f"{m}, {length}"]["activations"] for m in (CP_, SP_, TP_, DP_)]
+            assert kept == sorted(kept), kept
+
+
+def test_memory_script_refuses_lengths_that_do_not_split(outside_launcher, capsys):
+    """One process: a length must cut into 2 chunks (zig-zag, 2 per rank)."""
+    assert script_module("memory_by_length").main(["--lengths", "16,7"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "memory_by_length.py" in err[0] and "--lengths 7" in err[0], err
+    assert not dist.is_initialized()
+
+
 # ------------------------------------------------------------ train_cp.py: the running example
 
 # Another summation order, with AdamW amplifying rounding where a gradient is rounding noise
@@ -234,10 +293,16 @@ def test_script_refuses_a_length_that_does_not_split(ring_script, capsys):
 SAME_STEPS = {"rtol": 1e-3, "atol": 2e-4}
 
 
+def script_module(name: str):
+    """A script of this lesson as torchrun runs it, beside the lesson's scripts it imports by
+    name (ring_attention.py, sequence_parallel.py)."""
+    for sibling in ("ring_attention", "sequence_parallel"):
+        sys.modules.setdefault(sibling, load_lesson_module(LESSON, sibling))
+    return load_lesson_module(LESSON, name)
+
+
 def train_cp_module():
-    """train_cp.py as torchrun runs it, beside the ring_attention.py it imports by name."""
-    sys.modules.setdefault("ring_attention", load_lesson_module(LESSON, "ring_attention"))
-    return load_lesson_module(LESSON, "train_cp")
+    return script_module("train_cp")
 
 
 def cp_gradients_on_rank(ctx, length: int):

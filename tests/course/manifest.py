@@ -178,6 +178,8 @@ COURSE: tuple[Lesson, ...] = (
             "task10_4": "zigzag_split, zigzag_merge", "task10_5": "ring_attention"},
            (Script("sequence_parallel.py", "torchrun", 2, ("--length", "8", "--width", "16")),
             Script("ring_attention.py", "torchrun", 2, ("--length", "16")),
+            Script("memory_by_length.py", "torchrun", 2,
+                   ("--lengths", "16", "--width", "16", "--heads", "2")),
             # 80 changed: the dp x cp mesh and its sampler (as lesson 06's), each rank's share of
             # every sequence (the collate), the ring swapped into the blocks, the validation
             # summed over a row's ranks, the check of the degree; bf16 taken out (the ring
