@@ -24,7 +24,7 @@ MiB = 1024 * 1024  # DDP's "MB" in bucket_cap_mb is this many bytes
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb when it is left unset
 FIRST_BUCKET_BYTES = MiB  # dist._DEFAULT_FIRST_BUCKET_BYTES: the first bucket's, by default
 LINKS = ("nvlink", "pcie")  # between the GPUs of one node: fast, or slow
-METHODS = ("one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp")
+METHODS = ("one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp", "cp+tp+fsdp", "cp+fsdp")
 
 
 # --8<-- [start:bus_bandwidth]
@@ -163,12 +163,17 @@ def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_
     3. ``"fsdp"``: 4 x model / num_gpus + activations (every GPU keeps a shard);
     4. the state sharded as in 3 and the activations split ``gpus_per_node`` ways inside a
        node: ``"tp+fsdp"`` over NVLink, ``"pp+fsdp"`` over PCIe (tensor parallelism waits on
-       an all-reduce in every block; a pipeline only sends activations between stages).
+       an all-reduce in every block; a pipeline only sends activations between stages);
+    5. the state sharded as in 3 and the activations split ``num_gpus`` ways, every sequence
+       cut across the nodes by context parallelism (lesson 10): ``"cp+tp+fsdp"`` over NVLink
+       (tensor parallel inside each node, context parallel across), ``"cp+fsdp"`` over PCIe
+       (context parallel over every GPU: its ring's sends can overlap attention).
 
     Nothing fits (or one GPU that is too small): ``ValueError`` saying how many bytes the
-    smallest option needs. Arguments that are not positive, ``gpus_per_node`` that does not
-    divide ``num_gpus``, or an unknown link: ``ValueError``. The test checks the table of cases
-    in the lesson's README.
+    smallest option (5, or 1 on one GPU) needs. Arguments that are not positive,
+    ``gpus_per_node`` that does not divide ``num_gpus``, or an unknown link: ``ValueError``.
+    The test checks the table of cases in the lesson's README, and the table's first fit on
+    generated clusters.
     """
     raise NotImplementedError("task8_4: the first option of the table whose bytes per GPU fit")
 # --8<-- [end:choose_method]

@@ -12,6 +12,7 @@ import re
 import pytest
 
 from harness.exercises import raise_if_untouched
+from harness.sweep import st, sweep
 from lesson08.common import GB, assert_refuses, readme_cases
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
@@ -32,6 +33,14 @@ CLAUSES = {
         "activations split gpus_per_node ways: 'pp+fsdp' over PCIe": [
             "test_choose_method_follows_the_table_of_the_text",
             "test_choose_method_counts_exactly_full_as_fitting"],
+        "activations split num_gpus ways: 'cp+tp+fsdp' over NVLink": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting",
+            "test_choose_method_is_the_tables_first_fit_on_generated_clusters"],
+        "activations split num_gpus ways: 'cp+fsdp' over PCIe": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting",
+            "test_choose_method_is_the_tables_first_fit_on_generated_clusters"],
         "in order, the first that fits in gpu_memory (exactly full fits)": [
             "test_choose_method_follows_the_table_of_the_text",
             "test_choose_method_counts_exactly_full_as_fitting"],
@@ -59,12 +68,55 @@ def test_choose_method_follows_the_table_of_the_text(ex, case):
         assert re.search(r"\d", str(error)), (
             f"{case['case']}: the error {str(error)!r} should say how many bytes are needed")
         return
-    got = ex.choose_method(**arguments)
+    try:
+        got = ex.choose_method(**arguments)
+    except ValueError as err:
+        got = f"ValueError ({err})"
     assert got == case["method"], (
         f"{case['case']}: choose_method({shown}) returned {got!r}; the table says "
         f"{case['method']!r}. Each GPU holds 4 x the weights (AdamW: weights, gradients, two "
         f"moments), divided by the GPUs when sharded, plus its activations (divided by the GPUs "
-        f"of a node only with tensor or pipeline parallelism)")
+        f"of a node with tensor or pipeline parallelism, by all the GPUs only with context "
+        f"parallelism across the nodes as well)")
+
+
+def first_fit(model: int, activations: int, memory: int, gpus: int, per_node: int,
+              link: str) -> str | None:
+    """The README's table, read as its text says: the first row whose bytes per GPU fit."""
+    nvlink = link == "nvlink"
+    rows = [("one device" if gpus == 1 else "ddp", 4 * model + activations)]
+    if gpus > 1:
+        rows += [("fsdp", 4 * model / gpus + activations),
+                 ("tp+fsdp" if nvlink else "pp+fsdp", 4 * model / gpus + activations / per_node),
+                 ("cp+tp+fsdp" if nvlink else "cp+fsdp", (4 * model + activations) / gpus)]
+    return next((method for method, need in rows if need <= memory), None)
+
+
+@pytest.mark.task8_4
+@sweep(max_examples=60, nodes=st.integers(1, 8), per_node=st.sampled_from([1, 2, 4, 8]),
+       model=st.integers(1, 64), activations=st.integers(0, 512),
+       memory=st.integers(1, 512), link=st.sampled_from(["nvlink", "pcie"]))
+def test_choose_method_is_the_tables_first_fit_on_generated_clusters(
+        ex, nodes, per_node, model, activations, memory, link):
+    """Clusters of 1 to 8 nodes of 1 to 8 GPUs, sizes in units that every split divides
+    exactly (so no rounding decides a boundary): the method is the table's first fit, and
+    where nothing fits, a ValueError."""
+    gpus = nodes * per_node
+    unit = 64 * 8  # every count of GPUs here divides it
+    arguments = (model * unit, activations * unit, memory * unit // 4, gpus, per_node, link)
+    want = first_fit(*arguments)
+    if want is None:
+        assert_refuses(ex.choose_method, arguments, f"choose_method{arguments}: no row of the "
+                       "table fits")
+        return
+    try:
+        got = ex.choose_method(*arguments)
+    except ValueError as err:
+        got = f"ValueError ({err})"
+    assert got == want, (
+        f"choose_method{arguments} returned {got!r}; the table's first row that fits is "
+        f"{want!r} (each GPU: 4 x weights / GPUs when sharded; activations / GPUs of a node with "
+        f"tp or pp, / all GPUs with cp across the nodes too)")
 
 
 @pytest.mark.task8_4
@@ -89,6 +141,9 @@ BOUNDARIES = [
     ((2 * GB, GB, 2 * GB, 8, 8, "nvlink"), "fsdp", "8 GB / 8 + 1 GB is exactly 2 GB"),
     ((GB, GB, 3 * GB, 2, 2, "nvlink"), "fsdp", "on two GPUs, 4 GB / 2 + 1 GB is exactly 3 GB"),
     ((2 * GB, 8 * GB, 2 * GB, 8, 8, "pcie"), "pp+fsdp", "8 GB / 8 + 8 GB / 8 is exactly 2 GB"),
+    ((GB, 12 * GB, GB, 16, 8, "nvlink"), "cp+tp+fsdp",
+     "(4 GB + 12 GB) / 16 is exactly 1 GB, where 4 GB / 16 + 12 GB / 8 is 1.75 GB"),
+    ((GB, 12 * GB, GB, 16, 8, "pcie"), "cp+fsdp", "(4 GB + 12 GB) / 16 is exactly 1 GB"),
 ]
 
 
