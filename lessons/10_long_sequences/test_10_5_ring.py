@@ -34,6 +34,8 @@ CLAUSES = {
             "test_ring_attention_equals_attention_over_the_whole_sequence"],
         "the gradient reaches q through autograd": [
             "test_ring_attention_equals_attention_over_the_whole_sequence"],
+        "and this rank's own k and v": [
+            "test_ring_attention_equals_attention_over_the_whole_sequence"],
         "W - 1 ring_pass steps": ["test_ring_attention_passes_each_block_once_around",
                                   "test_ring_attention_stays_within_its_group"],
         "never more than one block of scores at a time": [
@@ -65,7 +67,8 @@ def ring_run(ctx, layout: str, causal: bool, groups=None):
                for i in range(3))
     # Keys and values as a model makes them, (B, T, H, D) transposed: not contiguous.
     k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
-    q.requires_grad_(True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
     counted = {"ring_pass": 0, "attend_block": 0}
     real = {name: getattr(ex, name) for name in counted}
 
@@ -90,6 +93,7 @@ def ring_run(ctx, layout: str, causal: bool, groups=None):
     d = seeded(11, BATCH, HEADS, length).index_select(2, mine).to(ctx.device)
     ((out * c).sum() + (lse * d).sum()).backward()
     return {"out": out.detach(), "lse": lse.detach(), "grad": q.grad, "positions": mine,
+            "grad_k": k.grad, "grad_v": v.grad,
             "members": members, "largest": seen.largest, **counted}
 
 
@@ -103,6 +107,22 @@ def whole(world: int, causal: bool):
     c, d = seeded(10, BATCH, HEADS, length, HEAD_DIM), seeded(11, BATCH, HEADS, length)
     ((out * c).sum() + (lse * d).sum()).backward()
     return out.detach(), lse.detach(), q.grad
+
+
+def own_keys_gradients(world: int, causal: bool, mine: torch.Tensor):
+    """What autograd gives a rank's own k and v through ring_attention: the gradient of its own
+    queries' loss with respect to the keys and values at its own positions (the other ranks'
+    blocks arrive as new tensors, outside the graph)."""
+    length = TOKENS * world
+    q, k, v = (seeded(i, BATCH, HEADS, length, HEAD_DIM) for i in range(3))
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    positions = torch.arange(length)
+    out, lse = reference_attention(q.index_select(2, mine), k, v, mine, positions, causal)
+    c = seeded(10, BATCH, HEADS, length, HEAD_DIM).index_select(2, mine)
+    d = seeded(11, BATCH, HEADS, length).index_select(2, mine)
+    ((out * c).sum() + (lse * d).sum()).backward()
+    return k.grad.index_select(2, mine), v.grad.index_select(2, mine)
 
 
 def needed_blocks(positions: torch.Tensor, world: int, layout: str, causal: bool) -> int:
@@ -141,6 +161,13 @@ def test_ring_attention_equals_attention_over_the_whole_sequence(ex, group, layo
                                          f"ring_attention {case}")
         assert_close(got["grad"], grad.index_select(2, mine), f"the gradient of q through "
                      f"ring_attention {case}", rank, **TIGHT)
+        for name, want in zip(("k", "v"), own_keys_gradients(world, causal, mine), strict=True):
+            assert got[f"grad_{name}"] is not None, (
+                f"rank {rank}: no gradient reached this rank's own {name} through "
+                f"ring_attention {case}: attend to its own block with the {name} it was given")
+            assert_close(got[f"grad_{name}"], want, f"the gradient of this rank's own {name} "
+                         f"through ring_attention {case} (its own queries' use of it)", rank,
+                         **TIGHT)
 
 
 @pytest.mark.task10_5

@@ -11,5 +11,6 @@ def ring_attention(q, k, v, positions, group=None, causal=True):
     for t in (k, v, positions):
         parts = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(parts, t.contiguous(), group=group)
+        parts[dist.get_rank(group)] = t  # its own, as given: the gradient reaches it
         gathered.append(torch.cat(parts, dim=-2 if t.dim() > 1 else 0))
     return attend_block(q, gathered[0], gathered[1], positions, gathered[2], causal)
