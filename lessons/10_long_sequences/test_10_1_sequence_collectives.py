@@ -92,7 +92,11 @@ def sp_run(ctx, which: str, dim: int, groups=None):
     if y.shape != c.shape:  # the test reports the shape; no backward to run
         return {**found, "grad": None, "x_after": x.detach()}
     with CollectiveLog(ex) as backward:
-        (y * c).sum().backward()
+        try:
+            (y * c).sum().backward()
+        except RuntimeError as error:  # autograd refuses a gradient of the wrong shape
+            return {**found, "grad": None, "x_after": x.detach(), "backward_error": str(error),
+                    "backward": [(call.op, call.payload) for call in backward.calls]}
     return {**found, "grad": x.grad, "x_after": x.detach(),
             "backward": [(call.op, call.payload) for call in backward.calls]}
 
@@ -235,5 +239,24 @@ def test_sequence_collectives_stay_within_their_group(ex, which):
                    "collective")
         try:
             assert_close(got["y"], expected, what, rank, **TIGHT)
+        except AssertionError as error:
+            raise AssertionError(f"{error}{why}") from None
+        if which == "gather":  # the sum of the group's weights over this rank's tokens
+            gradient = sum(seeded(200 + r, *whole_shape(0, 2)) for r in members).chunk(
+                2, 0)[got["place"]]
+            what = f"AllGatherSequence's input gradient with group={members}"
+        else:  # every member's weights, side by side
+            gradient = torch.cat([seeded(200 + r, *LOCAL) for r in members], dim=0)
+            what = f"ReduceScatterSequence's input gradient with group={members}"
+        assert "backward_error" not in got, (
+            f"rank {rank}: {what}: the backward failed ({got.get('backward_error', '')[:200]}): "
+            f"its collective must run in the group too (keep it in ctx)")
+        assert got["grad"] is not None, f"rank {rank}: no gradient reached x ({what})"
+        why = ""
+        if got["grad"].shape != gradient.shape:
+            why = ": a backward for all 4 ranks: keep the group in ctx and pass it there too"
+        try:
+            assert_close(got["grad"], gradient, what + " (the backward's collective, in the "
+                         "group too)", rank, **TIGHT)
         except AssertionError as error:
             raise AssertionError(f"{error}{why}") from None
