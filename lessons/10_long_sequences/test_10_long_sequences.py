@@ -25,6 +25,7 @@ its script, ring_attention.py:
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -57,9 +58,16 @@ from lesson10.common import (
 SP_BLOCK = dict(vocab_size=1, n_embd=16, n_head=4, block_size=8, bias=True, dropout=0.0)
 
 
-def sp_run(ctx, version: str):
+def sp_run(ctx):
+    """The three versions of sequence_parallel.py's block on this rank."""
     script = load_lesson_module(LESSON, "sequence_parallel")
-    return script.measure(SP_BLOCK, 2, 8, version)
+    return {version: script.measure(SP_BLOCK, 2, 8, version) for version in script.VERSIONS}
+
+
+@functools.cache
+def sp_versions(world: int) -> list[dict]:
+    """sp_run on ``world`` ranks, once for both tests that read it."""
+    return run_on_ranks(sp_run, world_size=world)
 
 
 TP, SP, DTENSOR = "tensor parallel", "tensor + sequence parallel", "the same with DTensor"
@@ -70,8 +78,8 @@ DP_, TP_, SP_, CP_ = ("data parallel", "tensor parallel", "tensor + sequence par
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_keeps_less_and_sends_the_same_bytes(world):
     B, S, C = 2, 8, SP_BLOCK["n_embd"]
-    tp = run_on_ranks(sp_run, TP, world_size=world)
-    sp = run_on_ranks(sp_run, SP, world_size=world)
+    tp = [got[TP] for got in sp_versions(world)]
+    sp = [got[SP] for got in sp_versions(world)]
     for rank in range(world):
         for name, got in (("tensor parallel", tp[rank]), ("sequence parallel", sp[rank])):
             assert got["max_error"] < 1e-12, (
@@ -97,8 +105,8 @@ def test_dtensor_sequence_parallel_is_the_same_split(world):
     """sequence_parallel.py's DTensor plan (SequenceParallel on the norms, the stream Shard(1)):
     the unsplit block's output and every gradient (each parameter's slices gathered, the layer
     norms' partial sums added); the collectives, bytes and kept elements of the split by hand."""
-    by_hand = run_on_ranks(sp_run, SP, world_size=world)
-    dtensor = run_on_ranks(sp_run, DTENSOR, world_size=world)
+    by_hand = [got[SP] for got in sp_versions(world)]
+    dtensor = [got[DTENSOR] for got in sp_versions(world)]
     for rank, (mine, theirs) in enumerate(zip(by_hand, dtensor, strict=True)):
         assert theirs["max_error"] < 1e-12, (
             f"rank {rank}: DTensor's block differs from the unsplit block's output or some "
@@ -371,12 +379,16 @@ def test_train_cp_on_four_ranks_trains_what_one_process_trains(train_run, refere
      "the tiny model's 32 positions; try --cp 1"),
     ([], {"WORLD_SIZE": "3"}, "--cp 3 (the default: every process): cp must divide"),
 ])
-def test_train_cp_refuses_a_degree_that_does_not_fit(argv, env, said):
+def test_train_cp_refuses_a_degree_that_does_not_fit(outside_launcher, monkeypatch, capsys,
+                                                     argv, env, said):
     """Before any process group: the degree must divide the processes, and twice the degree
     the sequence (zig-zag's chunks); an error that names the script and a degree that fits."""
-    run = run_script(TRAIN_SCRIPT, *argv, result=False, check=False, env=env)
-    assert run.returncode == 2, run.output[-2000:]
-    assert f"train_cp.py: error: {said}" in run.output, run.output[-2000:]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert train_cp_module().main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"train_cp.py: error: {said}" in err, err
+    assert not dist.is_initialized()
 
 
 @pytest.mark.slow
