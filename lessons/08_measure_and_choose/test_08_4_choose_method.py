@@ -170,5 +170,11 @@ def test_choose_method_errors_say_the_bytes_the_smallest_option_needs(ex):
                            "activations split across the node add to the state, not subtract")
     assert "2000000000" in str(error), (
         f"the error {str(error)!r} should say the 2000000000 bytes each GPU would need")
+    error = assert_refuses(ex.choose_method, (GB, 12 * GB, GB - 1, 16, 8, "nvlink"),
+                           "two nodes: (4 GB + 12 GB) / 16 is 1 byte more than each GPU has")
+    assert "1000000000" in str(error), (
+        f"the error {str(error)!r} should say the 1000000000 bytes each GPU would need with the "
+        f"smallest option, the state and the activations split over all 16 GPUs (context "
+        f"parallel across the nodes), not the split inside one node")
     got = ex.choose_method(GB, GB, 5 * GB, 2, 1, "nvlink")
     assert got == "ddp", f"two GPUs that each hold the whole run is 'ddp', not {got!r}"

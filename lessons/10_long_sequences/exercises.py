@@ -207,9 +207,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     that needs neither.
 
     The test runs 1 to 4 ranks with contiguous and zig-zag splits, causal and not, and
-    compares out, lse and the gradient of q with ``F.scaled_dot_product_attention`` over the
-    whole sequence; it checks that ``ring_pass`` is called W - 1 times, that no step builds more
-    than one block of scores, and that a skipped block costs no scores.
+    compares out, lse, the gradient of q and that of this rank's own k and v with
+    ``F.scaled_dot_product_attention`` over the whole sequence; it checks that ``ring_pass``
+    is called W - 1 times, that no step builds more than one block of scores, and that a
+    skipped block costs no scores.
     """
     raise NotImplementedError("task10_5: own block, then W-1 ring_pass steps; attend, merge")
 # --8<-- [end:ring_attention]

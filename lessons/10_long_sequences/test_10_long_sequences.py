@@ -265,12 +265,15 @@ def test_memory_per_rank_is_what_the_text_counts(world):
     lengths = (16, 32)
     whole = 12 * C * C + 13 * C
     sliced = 12 * C * C + 7 * C
+    script = script_module("memory_by_length")
     for rank, got in enumerate(run_on_ranks(memory_run, lengths, C, H, world_size=world)):
         for length in lengths:
             for method in (TP_, SP_, DP_, CP_):
                 found = got[f"{method}, {length}"]
                 want = 4 * length * kept_per_token(method, C, H, world)
                 want += 8 * length / world if method == CP_ else 0
+                printed = script.predicted(method, length, C, H, world)  # the "count" column
+                assert printed["activations"] == want, (method, length, printed, want)
                 assert found["activations"] == want, (rank, method, length, found, want)
                 params = 4 * (sliced / world + whole - sliced if method.startswith("tensor")
                               else whole)
@@ -282,6 +285,8 @@ def test_memory_per_rank_is_what_the_text_counts(world):
                         + 2 * (world - 1) * 8 * length / world}[method]
                 assert found["sent"] == pytest.approx(sent, rel=1e-12), (rank, method, found,
                                                                           sent)
+                assert printed["parameters"] == params and printed["sent"] == pytest.approx(
+                    sent, rel=1e-12), (method, printed, params, sent)
             kept = [got[f"{m}, {length}"]["activations"] for m in (CP_, SP_, TP_, DP_)]
             assert kept == sorted(kept), kept
 
@@ -326,7 +331,7 @@ def cp_gradients_on_rank(ctx, length: int):
     loss.backward()
     model = GPT(config)
     positions = script.zigzag_split(torch.arange(length), ctx.world_size, 0)[ctx.rank]
-    with script.ring_attention(model, positions, None):
+    with script.ring_in_blocks(model, positions, None):
         keep = script.keep(positions)
         _, loss = run.next_char_loss(model, *keep(list(zip(inputs, targets, strict=True))),
                                      positions=positions)
@@ -348,7 +353,7 @@ def test_train_cp_steps_give_the_gradients_of_one_process(world):
         for name, gradient in got["split"].items():
             assert_close(gradient, got["alone"][name], f"the gradient of {name}, cp {world} "
                          "vs one process on whole sequences", rank, rtol=1e-4, atol=1e-6)
-        assert got["restored"], "after ring_attention(...) the blocks still attend across ranks"
+        assert got["restored"], "after ring_in_blocks(...) the blocks still attend across ranks"
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.d
 
 
 @contextlib.contextmanager
-def ring_attention(model, positions: torch.Tensor, group):
+def ring_in_blocks(model, positions: torch.Tensor, group):
     """Inside, every block attends across ``group``'s ranks, each holding ``positions`` of every
     sequence; outside (sampling whole sequences), in one process as before."""
     def attend(q, k, v, dropout_p=0.0):
@@ -72,7 +72,7 @@ def check_cp(cp: int, world_size: int, size: str, by_default: bool = False) -> N
     """The mesh is dp x cp, and zig-zag cuts every sequence into 2 x cp equal chunks."""
     length = SIZES[size]["block_size"]
     if world_size % cp or length % (2 * cp):
-        fits = max(d for d in range(1, world_size + 1) if world_size % d == length % (2 * d) == 0)
+        fits = max(d for d in range(1, world_size + 1) if not (world_size % d or length % (2 * d)))
         flag = f"--cp {cp}" + (" (the default: every process)" if by_default else "")
         raise ValueError(f"{flag}: cp must divide the processes ({world_size}) and 2 x cp the "
                          f"{size} model's {length} positions; try --cp {fits}")
@@ -126,10 +126,10 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, compile=compile, cp=cp, dp=world_size // cp)
     for epoch in range(1, epochs + 1):
-        with run.timed(device) as timer, ring_attention(model, positions, mesh["cp"].get_group()):
+        with run.timed(device) as timer, ring_in_blocks(model, positions, mesh["cp"].get_group()):
             train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
             train_loss = train_one_epoch(step_model, train_loader, optimizer, device, positions)
-        with ring_attention(model, positions, mesh["cp"].get_group()):
+        with ring_in_blocks(model, positions, mesh["cp"].get_group()):
             scores = run.evaluate(step_model, val_loader, device, None, positions)
         scores = torch.tensor(scores, device=device)
         dist.all_reduce(scores, group=mesh["cp"].get_group())  # the row's ranks: equal shares

@@ -182,7 +182,7 @@ COURSE: tuple[Lesson, ...] = (
                    ("--lengths", "16", "--width", "16", "--heads", "2")),
             # 80 changed: the dp x cp mesh and its sampler (as lesson 06's), each rank's share of
             # every sequence (the collate), the ring swapped into the blocks, the validation
-            # summed over a row's ranks, the check of the degree; bf16 taken out (the ring
+            # averaged over a row's ranks, the check of the degree; bf16 taken out (the ring
             # computes in fp32).
             Script("train_cp.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py",
                    max_changed=80))),
