@@ -36,13 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where 
 from gpt import GPTConfig, run  # noqa: E402 - the plumbing every script shares
 from gpt.model import Block  # noqa: E402 - one block of the running example
 from ring_attention import RingAttention, zigzag_split  # noqa: E402 - this lesson's ring
-from sequence_parallel import (  # noqa: E402 - this lesson's
-    COLUMN,
-    ROW,
-    SentBytes,
-    dtensor_plan,
-    local,
-)
+from sequence_parallel import COLUMN, ROW, SentBytes, dtensor_plan  # noqa: E402 - this lesson's
 
 METHODS = ("data parallel", "tensor parallel", "tensor + sequence parallel", "context parallel")
 FLOAT = 4  # bytes: the block runs in float32
@@ -111,11 +105,11 @@ def measure_block(method: str, length: int, width: int, heads: int, seed: int = 
         positions = zigzag_split(torch.arange(length), world, 0)[rank]
         block.attn.attend = lambda q, k, v, dropout_p: RingAttention.apply(q, k, v, positions)
         x = x[:, positions]
-    weights = {local(p).untyped_storage().data_ptr() for p in block.parameters()}
+    weights = {run.local_part(p).untyped_storage().data_ptr() for p in block.parameters()}
     kept: dict[int, int] = {}
 
     def pack(tensor):  # an activation, once per storage; a weight (or a slice of one) is not
-        storage = local(tensor).untyped_storage()
+        storage = run.local_part(tensor).untyped_storage()
         if storage.data_ptr() not in weights:
             kept[storage.data_ptr()] = storage.nbytes()
         return tensor
@@ -125,7 +119,7 @@ def measure_block(method: str, length: int, width: int, heads: int, seed: int = 
             out = block(x.requires_grad_(True))
         out.sum().backward()  # every rank: the ring's backward is collective
     return {"activations": sum(kept.values()),
-            "parameters": sum(local(p).nbytes for p in block.parameters()),
+            "parameters": sum(run.local_part(p).nbytes for p in block.parameters()),
             "sent": sent.bytes}
 
 

@@ -218,13 +218,13 @@ def measure(config: dict, batch_size: int, length: int, version: str, seed: int 
     if version == VERSIONS[2]:  # a copy, its weights made DTensors, each rank's slices
         split = parallelize_module(copy.deepcopy(block), init_device_mesh("cpu", (world,)),
                                    dtensor_plan())
-    weights = {local(p).untyped_storage().data_ptr()
+    weights = {run.local_part(p).untyped_storage().data_ptr()
                for module in (block, split) for p in module.parameters()}
     kept = []
 
     def pack(tensor):  # a weight (or a slice of one) is not an activation
-        if local(tensor).untyped_storage().data_ptr() not in weights:
-            kept.append(local(tensor).numel())
+        if run.local_part(tensor).untyped_storage().data_ptr() not in weights:
+            kept.append(run.local_part(tensor).numel())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -267,11 +267,6 @@ def measure(config: dict, batch_size: int, length: int, version: str, seed: int 
     dist.all_reduce(error, op=dist.ReduceOp.MAX)
     return {"max_error": error.item(), "kept_elements": sum(kept), "sent_bytes": sent.bytes,
             "collectives": sent.calls, "whole_kept_elements": whole_kept}
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor; a plain tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -17,7 +17,8 @@ reader sees at a glance which lines are shared::
 - The data: :func:`windows`, the running example's train and validation windows.
 - The record of a run: :func:`begin_result`, :func:`record_epoch`, :func:`finish_result` build
   the result every script returns and logs; :func:`write_result` writes it as JSON;
-  :func:`timed` times an epoch; :func:`bytes_per_rank` reports what each rank stores.
+  :func:`timed` times an epoch; :func:`bytes_per_rank` reports what each rank stores
+  (:func:`local_part`: this rank's part of a DTensor).
 - The end of a run: :func:`end_run` saves the checkpoint and the result, and leaves the process
   group (lesson 03 explains each line).
 - The command line: :func:`add_common_arguments` (the flags every script takes, spelt one way,
@@ -252,17 +253,19 @@ def finish_result(result: dict, log, model, dataset, device, weights=None) -> di
     return result
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (its local shard); a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def bytes_per_rank(model, optimizer, device, log=print) -> list[dict[str, int]]:
     """What each rank stores, gathered from every rank (a collective: all must call it) and
     logged: the bytes of its own part (a DTensor's local shard, else the whole tensor) of the
     parameters, gradients and optimizer state, and on a GPU its peak allocated, activations and
     buffers included. Call it with FSDP's parameters resharded: gathered ones count whole."""
-    def own(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     moments = [v for state in optimizer.state.values() for v in state.values() if v.dim()]
-    sizes = {name: sum(own(t).nbytes for t in tensors) for name, tensors in (
+    sizes = {name: sum(local_part(t).nbytes for t in tensors) for name, tensors in (
         ("parameters", model.parameters()), ("gradients", grads), ("optimizer_state", moments))}
     if device.type == "cuda":
         sizes["peak_allocated"] = torch.cuda.max_memory_allocated(device)
