@@ -132,7 +132,9 @@ def plot(rows: list[dict], path: Path, width: int, heads: int, world: int) -> No
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     lengths = sorted({row["length"] for row in rows})
-    longer = [lengths[0] * 2 ** i for i in range(int(torch.tensor(64.0).log2()) + len(lengths))]
+    longer = [lengths[0]]  # doubling, from the shortest measured to 64 x the longest
+    while longer[-1] < 64 * lengths[-1]:
+        longer.append(2 * longer[-1])
     for method in METHODS:
         line = [predicted(method, s, width, heads, world)["activations"] / 2**20 for s in longer]
         drawn = axes.plot(longer, line, label=f"{method} (predicted)")[0]
