@@ -10,7 +10,8 @@
 
 The *payload* of a collective is the size of the one tensor it is about: an all-reduce's tensor,
 an all-gather's output (the gathered whole), a reduce-scatter's input (the whole before
-scattering), a broadcast's tensor. What a rank *sends* depends on the algorithm; in a ring (the
+scattering), a broadcast's tensor, an all-to-all's input (every row this rank sends, its own
+included). What a rank *sends* depends on the algorithm; in a ring (the
 classic algorithm for large tensors, and one of NCCL's), on W ranks:
 
 - reduce-scatter and all-gather: each rank sends (W - 1) / W of the payload;
@@ -61,6 +62,8 @@ _COLLECTIVES = {
     "reduce_scatter_single": ("reduce_scatter", _INPUT),
     "reduce_scatter_tensor": ("reduce_scatter", _INPUT),
     "_reduce_scatter_base": ("reduce_scatter", _INPUT),
+    "all_to_all_single": ("all_to_all", _INPUT),
+    "all_to_all": ("all_to_all", _LIST_IN),
     "all_gather_object": ("all_gather_object", _NONE),
     "broadcast_object_list": ("broadcast_object_list", _NONE),
 }
@@ -108,7 +111,7 @@ def _payload(kind: int, args, kwargs) -> tuple[int, torch.dtype | None, weakref.
     elif kind == _LIST_OUT:
         tensor = arg(0, "tensor_list")
     else:  # _LIST_IN
-        tensor = arg(1, "input_list")
+        tensor = arg(1, "input_list", "input_tensor_list")
     if tensor is None:
         return 0, None, None
     if isinstance(tensor, torch.Tensor):

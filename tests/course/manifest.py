@@ -186,6 +186,10 @@ COURSE: tuple[Lesson, ...] = (
             # computes in fp32).
             Script("train_cp.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py",
                    max_changed=80))),
+    Lesson("11_mixture_of_experts", "Mixture of experts: expert parallel",
+           {"task11_1": "route", "task11_2": "dispatch_plan",
+            "task11_3": "exchange_counts, AllToAll"},
+           (Script("moe.py", "torchrun", 2, ("--tokens", "16", "--width", "8")),)),
 )
 
 

@@ -1,0 +1,129 @@
+"""Lesson 11, task11_1: route, top-k routing with a capacity per expert, swept against a loop
+over tokens and experts written from the rule: the experts and their order, the weights and
+their gradient, every kept flag; and the refusals.
+
+    pytest lessons/11_mixture_of_experts -m task11_1
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.compare import assert_close
+from harness.sweep import st, sweep
+from lesson11.common import TIGHT, loop_route, seeded
+
+# The task's contract, clause by clause, and the tests that fail when only that clause is broken
+# (tests/test_course.py checks the names).
+CLAUSES = {
+    "task11_1": {
+        "experts: the k largest probabilities, largest first": ["test_route_matches_a_loop"],
+        "weights: the k probabilities renormalised after the top-k, summing to 1":
+            ["test_route_matches_a_loop"],
+        "weights differentiable with respect to logits": ["test_route_matches_a_loop"],
+        "kept: at most capacity per expert, first choices first, then token order":
+            ["test_route_matches_a_loop", "test_capacity_serves_first_choices_first"],
+        "capacity None: every assignment kept": ["test_route_matches_a_loop"],
+        "k outside 1..E raises ValueError naming k and E": ["test_route_refuses_what_it_cannot_do"],
+        "a negative capacity raises ValueError": ["test_route_refuses_what_it_cannot_do"],
+    },
+}
+
+
+def weights_hint(weights: torch.Tensor, logits: torch.Tensor, k: int) -> str:
+    """Name the mistake a wrong answer most likely made with the weights."""
+    top = logits.softmax(dim=-1).topk(k, dim=-1).values
+    if torch.allclose(weights, top, **TIGHT):
+        return (": these are the softmax's probabilities as they are; renormalise them after "
+                "the top-k, so that a token's k weights sum to 1")
+    if not torch.allclose(weights.sum(dim=-1), torch.ones((), dtype=weights.dtype), **TIGHT):
+        return ": a token's k weights must sum to 1"
+    return ""
+
+
+def token_major(experts: list[list[int]], capacity: int, num_experts: int):
+    taken, kept = [0] * num_experts, []
+    for row in experts:
+        kept.append([])
+        for e in row:
+            kept[-1].append(taken[e] < capacity)
+            taken[e] += taken[e] < capacity
+    return kept
+
+
+@pytest.mark.task11_1
+@sweep(max_examples=60, tokens=st.integers(1, 12), num_experts=st.integers(1, 8),
+       data=st.data(), seed=st.integers(0, 2**16))
+def test_route_matches_a_loop(ex, tokens, num_experts, data, seed):
+    k = data.draw(st.integers(1, num_experts), label="k")
+    even = -(-tokens * k // num_experts)  # an even share: capacities near it drop some
+    capacity = data.draw(st.one_of(st.none(), st.integers(0, even + 1),
+                                   st.integers(0, tokens * k)), label="capacity")
+    logits = (seeded(seed, tokens, num_experts) * 3).requires_grad_(True)
+    experts, weights, kept = ex.route(logits, k, capacity)
+    want_experts, want_weights, want_kept = loop_route(logits, k, capacity)
+    where = f"route(logits of {tokens} tokens x {num_experts} experts, k={k}, capacity={capacity})"
+    assert tuple(experts.shape) == (tokens, k), f"{where}: experts is {tuple(experts.shape)}, " \
+                                                f"expected ({tokens}, {k})"
+    got = experts.tolist()
+    if got != want_experts:
+        hint = ""
+        if [sorted(row) for row in got] == [sorted(row) for row in want_experts]:
+            hint = ": the right experts in the wrong order; largest probability first"
+        raise AssertionError(f"{where}: experts {got}, expected {want_experts}{hint}")
+    want = torch.stack([torch.stack(row) for row in want_weights])
+    try:
+        assert_close(weights, want.detach(), f"{where}: weights", **TIGHT)
+    except AssertionError as error:
+        hint = weights_hint(weights.detach(), logits.detach(), k)
+        raise AssertionError(f"{error}{hint}") from None
+    assert weights.requires_grad, (
+        f"{where}: the weights are not differentiable with respect to logits; keep them in "
+        f"the graph (no .detach(), no torch.no_grad(), no .tolist())")
+    c = seeded(seed + 1, tokens, k)
+    (grad,) = torch.autograd.grad((weights * c).sum(), logits)
+    (want_grad,) = torch.autograd.grad((want * c).sum(), logits)
+    assert_close(grad, want_grad, f"{where}: the gradient of sum(weights * c) by logits", **TIGHT)
+    assert kept.dtype == torch.bool, f"{where}: kept is {kept.dtype}, expected torch.bool"
+    if kept.tolist() != want_kept:
+        hint = ""
+        if capacity is not None and kept.tolist() == token_major(want_experts, capacity,
+                                                                 num_experts):
+            hint = (": that is token by token (a token's second choice before the next "
+                    "token's first); every token's first choice is served before any second")
+        elif capacity is not None and kept.tolist() == loop_route(logits, k, capacity + 1)[2]:
+            hint = f": that keeps {capacity + 1} per expert; an expert takes at most capacity"
+        elif capacity is not None and all(all(row) for row in kept.tolist()):
+            hint = ": nothing was dropped; an expert takes at most capacity assignments"
+        raise AssertionError(f"{where}: kept {kept.tolist()}, expected {want_kept}{hint}")
+
+
+@pytest.mark.task11_1
+def test_capacity_serves_first_choices_first(ex):
+    """Token 0 prefers expert 0 then 1, token 1 expert 1 then 0; capacity 1: each expert takes
+    the token that chose it first. Served token by token instead, token 0's second choice
+    would take expert 1's only place before token 1's first choice."""
+    logits = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+    experts, _, kept = ex.route(logits, 2, 1)
+    assert experts.tolist() == [[0, 1], [1, 0]], f"experts {experts.tolist()}"
+    if kept.tolist() == [[True, True], [False, False]]:
+        raise AssertionError(
+            "route(..., k=2, capacity=1) served token by token: token 0's second choice took "
+            "expert 1's place before token 1's first choice; every token's first choice is "
+            "served before any second choice")
+    assert kept.tolist() == [[True, False], [True, False]], (
+        f"route(..., k=2, capacity=1) kept {kept.tolist()}, expected [[True, False], "
+        f"[True, False]]: each expert takes the one token whose first choice it is")
+
+
+@pytest.mark.task11_1
+@pytest.mark.parametrize("k, capacity", [(0, None), (4, None), (-1, None), (2, -1)])
+def test_route_refuses_what_it_cannot_do(ex, k, capacity):
+    logits = seeded(0, 5, 3)
+    with pytest.raises(ValueError) as raised:
+        ex.route(logits, k, capacity)
+    if capacity is None:
+        assert str(k) in str(raised.value) and "3" in str(raised.value), (
+            f"route(k={k}) with 3 experts: the message should name k ({k}) and E (3): "
+            f"{raised.value}")

@@ -1,0 +1,212 @@
+"""Lesson 11: mixture of experts. What the lesson rests on, checked on one process and on
+gloo/CPU ranks (and on nccl where GPUs are present):
+
+- the script's MoE layer is the loop over tokens and their k experts that its text describes:
+  a token's output is the sum of its kept experts' outputs, each weighed by its renormalised
+  gate weight, and 0 for an assignment dropped over capacity;
+- the load-balancing loss is Switch Transformer's, E * sum_e f_e P_e, whose gradient flows
+  through P alone; it is 1 when the router is uniform;
+- expert parallelism (each rank holds E / W experts, the tokens travel to them and back by
+  all-to-all) gives each rank the output and the input gradient that the layer in one process
+  gives its tokens, the router the sum of every rank's gradient, and each expert, on the rank
+  that holds it, the gradient of all the tokens routed to it; the experts a rank does not hold
+  are never touched; for 1, 2 and 4 ranks, top-1 and top-2, with and without a capacity, and
+  when some expert gets no token;
+- a step sends exactly: the counts (E numbers), this rank's kept rows there and the rows it
+  received back in the forward, and the same two the other way in the backward.
+
+Each task's tests are in its own file, test_11_1_route.py to test_11_3_all_to_all.py (what they
+share is in common.py and conftest.py); this file checks the lesson's claims and its script,
+moe.py:
+
+    pytest lessons/11_mixture_of_experts/test_11_mixture_of_experts.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.collectives import CollectiveLog
+from harness.compare import assert_close
+from harness.exercises import load_lesson_module
+from harness.ranks import run_on_ranks
+from lesson11.common import GROUPS, LESSON, TIGHT, loop_route, seeded
+
+WIDTH, TOKENS = 8, 12
+
+
+def moe_module():
+    return load_lesson_module(LESSON, "moe")
+
+
+def layer_of(moe, num_experts: int, k: int, capacity_factor, shun_last: bool):
+    """The script's layer in float64; ``shun_last``: the router never picks the last expert."""
+    layer = moe.MoE(WIDTH, num_experts, k, capacity_factor, seed=3).double()
+    if shun_last:  # a router with a bias, far below the others for the last expert
+        router = torch.nn.Linear(WIDTH, num_experts, dtype=torch.float64)
+        with torch.no_grad():
+            router.weight.copy_(layer.router.weight)
+            router.bias.zero_()
+            router.bias[-1] = -1e3
+        layer.router = router
+    return layer
+
+
+@pytest.mark.parametrize("k, capacity_factor", [(1, None), (2, None), (1, 1.0), (2, 0.5)])
+def test_moe_layer_is_the_loop_over_tokens_and_experts(k, capacity_factor):
+    moe = moe_module()
+    layer = layer_of(moe, 4, k, capacity_factor, shun_last=False)
+    x = seeded(1, 2, TOKENS // 2, WIDTH)
+    out, _ = layer(x)
+    tokens = x.reshape(-1, WIDTH)
+    capacity = layer.capacity(TOKENS)
+    experts, weights, kept = loop_route(layer.router(tokens), k, capacity)
+    want = torch.stack([sum((weights[t][j] * layer.experts[experts[t][j]](tokens[t])
+                             for j in range(k) if kept[t][j]), torch.zeros(WIDTH).double())
+                        for t in range(TOKENS)])
+    assert_close(out.reshape(-1, WIDTH), want, f"MoE(top-{k}, capacity factor "
+                 f"{capacity_factor}) against the loop over tokens", **TIGHT)
+    dropped = sum(not flag for row in kept for flag in row)
+    if capacity_factor == 0.5:  # half an even share: at least half the assignments go
+        assert dropped >= TOKENS * k // 2, f"{dropped} dropped at capacity {capacity}"
+        assert capacity == -(-TOKENS * k // 4 // 2), capacity
+
+
+def test_load_balancing_loss_is_switchs_formula():
+    moe = moe_module()
+    logits = seeded(2, TOKENS, 4).requires_grad_(True)
+    probs = logits.softmax(dim=-1)
+    experts = probs.topk(2, dim=-1).indices
+    aux = moe.load_balancing_loss(probs, experts, 4)
+    share = [sum(int(e == i) for row in experts.tolist() for e in row) / (2 * TOKENS)
+             for i in range(4)]
+    want = 4 * sum(share[i] * probs[:, i].mean() for i in range(4))
+    assert_close(aux, want.detach(), "the load-balancing loss", **TIGHT)
+    (grad,) = torch.autograd.grad(aux, logits, retain_graph=True)  # probs is shared
+    (want_grad,) = torch.autograd.grad(want, logits)  # the shares are constants
+    assert_close(grad, want_grad, "its gradient (through the mean probabilities only)", **TIGHT)
+    uniform = torch.full((TOKENS, 4), 0.25, dtype=torch.float64)
+    assert moe.load_balancing_loss(uniform, experts, 4).item() == pytest.approx(1.0), (
+        "with a uniform router the loss is E * sum_e f_e / E = 1, whatever the shares")
+
+
+def ep_run(ctx, num_experts: int, k: int, capacity_factor, shun_last: bool) -> dict:
+    """Expert parallel on this rank, its collectives counted; the one-process reference for
+    every rank's batch; what each rank found."""
+    moe = moe_module()
+    world, rank = ctx.world_size, ctx.rank
+    layer = layer_of(moe, num_experts, k, capacity_factor, shun_last).to(ctx.device)
+    x = seeded(10 + rank, TOKENS, WIDTH).to(ctx.device).requires_grad_(True)
+    c = seeded(20 + rank, TOKENS, WIDTH).to(ctx.device)
+    with CollectiveLog(moe) as forward:
+        out, aux, counts = moe.expert_parallel(layer, x)
+    with CollectiveLog(moe) as backward:
+        ((out * c).sum() + aux).backward()
+    single = layer_of(moe, num_experts, k, capacity_factor, shun_last)
+    total, mine = 0.0, None
+    for source in range(world):
+        xs = seeded(10 + source, TOKENS, WIDTH).requires_grad_(True)
+        ys, aux_s = single(xs)
+        total = total + (ys * seeded(20 + source, TOKENS, WIDTH)).sum() + aux_s
+        if source == rank:
+            mine = (ys.detach(), xs)
+    total.backward()
+    router = layer.router.weight.grad.clone()
+    dist.all_reduce(router)
+    mine_experts = range(rank * num_experts // world, (rank + 1) * num_experts // world)
+    return {
+        "out": (out.detach(), mine[0]), "x_grad": (x.grad, mine[1].grad),
+        "router": (router, single.router.weight.grad),
+        "held": {e: ([p.grad for p in layer.experts[e].parameters()],
+                     [p.grad for p in single.experts[e].parameters()]) for e in mine_experts},
+        "others_touched": [e for e in range(num_experts) if e not in mine_experts
+                           and any(p.grad is not None for p in layer.experts[e].parameters())],
+        "per_expert": counts["per_expert"], "sent": counts["sent_rows"],
+        "received": counts["received_rows"],
+        "forward": [(call.op, call.payload) for call in forward.calls],
+        "backward": [(call.op, call.payload) for call in backward.calls],
+    }
+
+
+@pytest.mark.parametrize("shun_last", [False, True], ids=["every expert", "one expert idle"])
+@pytest.mark.parametrize("k, capacity_factor", [(1, None), (2, None), (2, 1.0)])
+@pytest.mark.parametrize("group_case", [g for g in GROUPS if g.values[0][0] in (1, 2, 4)])
+def test_expert_parallel_is_the_layer_in_one_process(group_case, k, capacity_factor, shun_last):
+    world, backend, device = group_case
+    num_experts = 2 * world if world > 1 else 3
+    results = run_on_ranks(ep_run, num_experts, k, capacity_factor, shun_last,
+                           world_size=world, backend=backend, device=device)
+    for rank, found in enumerate(results):
+        where = f"rank {rank} of {world}, {num_experts} experts, top-{k}, capacity factor " \
+                f"{capacity_factor}"
+        for name in ("out", "x_grad", "router"):
+            got, want = found[name]
+            assert_close(got.cpu(), want, f"{where}: {name} against one process", **TIGHT)
+        for e, (got, want) in found["held"].items():
+            for g, w in zip(got, want, strict=True):
+                w = torch.zeros(()) if w is None else w
+                assert g is not None or not w.abs().sum(), f"{where}: expert {e} got no grad"
+                if g is not None:
+                    assert_close(g.cpu(), w, f"{where}: expert {e}'s gradient", **TIGHT)
+        assert not found["others_touched"], (
+            f"{where}: experts {found['others_touched']}, held by other ranks, got gradients")
+        if shun_last:
+            total = sum(f["per_expert"] for f in results)
+            assert total[-1] == 0, f"the last expert got {total[-1]} tokens; expected none"
+        row = WIDTH * 8
+        sent, received = sum(found["sent"]), sum(found["received"])
+        assert found["forward"] == [("all_to_all", num_experts * 8), ("all_to_all", sent * row),
+                                    ("all_to_all", received * row)], found["forward"]
+        assert found["backward"] == [("all_to_all", sent * row),
+                                     ("all_to_all", received * row)], found["backward"]
+
+
+def test_script_matches_one_process(script_run):
+    run = script_run.result()
+    print(run.output)
+    ranks = run.data["ranks"]
+    for rank, found in enumerate(ranks):
+        for name, error in found["errors"].items():
+            assert error < 1e-5, f"rank {rank}: {name} is {error:.1e} from one process"
+    counts = ranks[0]["tokens_per_expert"]
+    assert sum(counts) + ranks[0]["dropped"] == 2 * 32 * 2, (counts, ranks[0]["dropped"])
+    assert ranks[0]["dropped"] > 0, "at capacity factor 1 the script's routing drops some"
+
+
+def test_renormalising_after_top_k_is_a_softmax_over_the_chosen_logits():
+    """The text's aside: Mixtral's softmax over the k chosen logits gives route's weights."""
+    moe = moe_module()
+    logits = seeded(5, TOKENS, 6)
+    experts, weights, _ = moe.route(logits, 2)
+    assert_close(weights, logits.gather(-1, experts).softmax(dim=-1),
+                 "the weights against a softmax over the chosen logits", **TIGHT)
+
+
+def torch_a2a_run(ctx, sizes) -> dict:
+    from torch.distributed.nn.functional import all_to_all_single
+
+    moe = moe_module()
+    send = sizes[ctx.rank]
+    receive = [row[ctx.rank] for row in sizes]
+    found = {}
+    for name in ("course", "torch"):
+        x = seeded(30 + ctx.rank, sum(send), 3).requires_grad_(True)
+        if name == "course":
+            y = moe.AllToAll.apply(x, send, receive)
+        else:
+            y = all_to_all_single(x.new_empty(sum(receive), 3), x, receive, send)
+        (y * seeded(40 + ctx.rank, sum(receive), 3)).sum().backward()
+        found[name] = (y.detach(), x.grad)
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torchs_differentiable_all_to_all_agrees(world):
+    sizes = [[(s + 2 * d) % 3 for d in range(world)] for s in range(world)]
+    for rank, found in enumerate(run_on_ranks(torch_a2a_run, sizes, world_size=world)):
+        for got, want, what in zip(found["course"], found["torch"], ("output", "gradient"),
+                                   strict=True):
+            assert_close(got, want, f"rank {rank}: AllToAll's {what} against torch's "
+                         f"torch.distributed.nn.functional.all_to_all_single", **TIGHT)

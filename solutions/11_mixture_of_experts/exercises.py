@@ -1,0 +1,144 @@
+"""Lesson 11 exercises: mixture of experts. The router's top-k choice with a capacity per expert,
+the plan that groups a rank's tokens by the rank holding their expert, and the all-to-all that
+carries them there and their gradients back.
+
+Grade with ``pytest lessons/11_mixture_of_experts`` (one task: ``-m task11_1``). Each function's
+docstring is its contract: what it takes, what it returns, and what the test checks.
+
+Shapes: a rank routes T tokens among E experts, each token to k of them. An *assignment* is one
+(token, choice) pair; ``experts``, ``weights`` and ``kept`` are (T, k), and assignment (t, j) has
+the flat index ``t * k + j`` in ``experts.flatten()``. With W ranks, rank r holds experts
+``r * E // W`` to ``(r + 1) * E // W - 1``: consecutive blocks of E / W.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+# --8<-- [start:route]
+def route(logits: torch.Tensor, k: int, capacity: int | None = None):
+    """Top-k routing with a capacity per expert.
+
+    ``logits``: (T, E), the router's scores of every token for every expert. Returns
+    ``(experts, weights, kept)``, each (T, k):
+
+    - ``experts[t]``: token t's k experts, the k largest probabilities ``softmax(logits[t])``
+      first (largest first);
+    - ``weights[t]``: those k probabilities **renormalised after the top-k**, so that a token's
+      k weights sum to 1; differentiable with respect to ``logits``;
+    - ``kept[t, j]`` (bool): whether expert ``experts[t, j]`` takes the assignment. An expert
+      takes at most ``capacity`` assignments (``None``: no limit), first come first served in
+      this order: every token's first choice, in token order, then every token's second choice,
+      and so on. An assignment not kept is dropped: that expert never sees the token.
+
+    ``k`` outside 1..E raises ``ValueError`` naming k and E; so does a negative ``capacity``.
+
+    The test sweeps generated logits, k and capacities against a loop over tokens and experts:
+    the experts and their order, the weights and their gradient, and every kept flag.
+    """
+    num_tokens, num_experts = logits.shape
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k = {k}: choose 1 to {num_experts} of the {num_experts} experts")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity = {capacity}: an expert takes 0 or more assignments")
+    probs = logits.softmax(dim=-1)
+    top, experts = probs.topk(k, dim=-1)
+    weights = top / top.sum(dim=-1, keepdim=True)
+    if capacity is None:
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool)
+    choice_major = experts.t().reshape(-1)  # every first choice, then every second, ...
+    onehot = torch.nn.functional.one_hot(choice_major, num_experts)
+    place = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1  # its place in its expert's queue
+    kept = (place < capacity).reshape(k, num_tokens).t()
+    return experts, weights, kept
+# --8<-- [end:route]
+
+
+# --8<-- [start:dispatch_plan]
+def dispatch_plan(experts: torch.Tensor, kept: torch.Tensor, num_experts: int, world_size: int):
+    """Which rows to send, in which order: this rank's kept assignments grouped by expert.
+
+    ``experts`` and ``kept`` are ``route``'s (T, k). Returns ``(order, per_expert)``:
+
+    - ``order``: a 1-D int64 tensor of the flat indices (``t * k + j``) of the kept assignments,
+      sorted by expert, and within an expert by flat index. Sending the rows ``order // k`` in
+      this order sends to rank 0 first, then rank 1, ..., since experts sit on ranks in blocks;
+    - ``per_expert``: (E,) int64, how many kept assignments each expert gets (zeros included).
+      ``per_expert.view(W, E // W).sum(1)`` is then what this rank sends to each rank.
+
+    An ``num_experts`` that does not divide by ``world_size`` raises ``ValueError`` naming both.
+
+    The test sweeps generated routings (experts that get nothing, everything dropped) against a
+    loop, on the flat indices and the counts.
+    """
+    if num_experts % world_size:
+        raise ValueError(f"{num_experts} experts do not split into equal blocks on "
+                         f"{world_size} ranks")
+    flat_experts = experts.flatten()
+    flat_kept = kept.flatten()
+    chosen = flat_kept.nonzero().flatten()
+    order = chosen[torch.argsort(flat_experts[chosen], stable=True)]
+    per_expert = torch.bincount(flat_experts[chosen], minlength=num_experts)
+    return order, per_expert
+# --8<-- [end:dispatch_plan]
+
+
+# --8<-- [start:exchange_counts]
+def exchange_counts(per_expert: torch.Tensor, group=None) -> torch.Tensor:
+    """Tell every rank how many rows it is about to receive for each of its experts.
+
+    ``per_expert``: (E,) int64, this rank's ``dispatch_plan`` counts; E divides by the group's
+    size W. Returns a (W, E // W) int64 tensor whose row s holds, for each expert of this rank,
+    how many rows rank s of ``group`` (``None``: every rank) will send it. One all-to-all of the
+    counts, nothing else.
+
+    The test checks the result against every rank's counts on 1 to 4 ranks and a subgroup, and
+    counts the collectives.
+    """
+    world = dist.get_world_size(group)
+    received = torch.empty_like(per_expert)
+    dist.all_to_all_single(received, per_expert.contiguous(), group=group)
+    return received.view(world, -1)
+# --8<-- [end:exchange_counts]
+
+
+# --8<-- [start:AllToAll]
+class AllToAll(torch.autograd.Function):
+    """Rows to their ranks, with uneven sizes, and their gradients back.
+
+    ``AllToAll.apply(x, send_sizes, receive_sizes, group)``. ``x`` is (N, ...): its first
+    ``send_sizes[0]`` rows go to rank 0 of ``group`` (``None``: every rank), the next
+    ``send_sizes[1]`` to rank 1, and so on. Returns (sum(receive_sizes), ...): the rows rank 0
+    sent this rank, then rank 1's, and so on; ``receive_sizes[s]`` is how many rank s sends it.
+    One ``all_to_all_single``. Backward: each row's gradient goes back to the rank it came
+    from, to the row it came from: the same exchange with the two lists swapped. Returns
+    ``(gradient, None, None, None)``. The sizes may be lists of ints or 1-D integer tensors
+    (rows of ``exchange_counts``' result, say).
+
+    ``send_sizes`` that do not add up to N raise ``ValueError`` naming both numbers.
+
+    The test checks outputs and gradients against every rank's rows on 1 to 4 ranks with uneven
+    sizes and zeros, a subgroup, and counts one all_to_all each way.
+    """
+
+    @staticmethod
+    def forward(ctx, x, send_sizes, receive_sizes, group=None):
+        send_sizes, receive_sizes = [int(n) for n in send_sizes], [int(n) for n in receive_sizes]
+        if sum(send_sizes) != x.shape[0]:
+            raise ValueError(f"send_sizes add up to {sum(send_sizes)} rows, x has {x.shape[0]}")
+        ctx.sizes, ctx.group = (send_sizes, receive_sizes), group
+        out = x.new_empty((sum(receive_sizes), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=receive_sizes,
+                               input_split_sizes=send_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_sizes, receive_sizes = ctx.sizes
+        back = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), output_split_sizes=send_sizes,
+                               input_split_sizes=receive_sizes, group=ctx.group)
+        return back, None, None, None
+# --8<-- [end:AllToAll]
