@@ -8,6 +8,7 @@ reference answer, and the graders compare a learner's function with them over ge
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from harness.ranks import group_params
 
@@ -57,3 +58,14 @@ def loop_plan(experts: list[list[int]], kept: list[list[bool]], num_experts: int
     per_expert = [sum(1 for t, row in enumerate(experts) for j in range(k)
                       if row[j] == e and kept[t][j]) for e in range(num_experts)]
     return order, per_expert
+
+
+def my_group(ctx, groups):
+    """Build every subgroup in ``groups`` (each rank must, in the same order); return this
+    rank's group (``None`` without subgroups) and its members."""
+    group, members = None, list(range(ctx.world_size))
+    for ranks in groups or ():
+        made = dist.new_group(ranks)
+        if ctx.rank in ranks:
+            group, members = made, ranks
+    return group, members

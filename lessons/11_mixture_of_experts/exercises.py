@@ -1,6 +1,6 @@
 """Lesson 11 exercises: mixture of experts. The router's top-k choice with a capacity per expert,
-the plan that groups a rank's tokens by the rank holding their expert, and the all-to-all that
-carries them there and their gradients back.
+the plan that groups a rank's tokens by the rank holding their expert, the all-to-all that
+carries them there and their gradients back, and the expert-parallel layer built from them.
 
 Grade with ``pytest lessons/11_mixture_of_experts`` (one task: ``-m task11_1``). Each function's
 docstring is its contract: what it takes, what it returns, and what the test checks.
@@ -106,3 +106,29 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         raise NotImplementedError("task11_3: the lists swapped; (grad, None, None, None)")
 # --8<-- [end:AllToAll]
+
+
+# --8<-- [start:expert_parallel_forward]
+def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                            kept: torch.Tensor, local_experts, num_experts: int, group=None):
+    """One MoE layer's forward with this rank's block of experts: the tokens travel to their
+    experts' ranks and back.
+
+    ``tokens``: (T, C), this rank's. ``experts``, ``weights``, ``kept``: ``route``'s (T, k) for
+    them. ``local_experts``: this rank's E / W experts, in order (rank r of ``group`` holds
+    experts ``r * E // W`` onwards; ``None``: every rank). Returns (T, C): for each token, the
+    sum over its kept assignments of weight × expert(token); a dropped assignment adds 0.
+
+    Use this file's ``dispatch_plan``, ``exchange_counts`` and ``AllToAll``: plan, exchange the
+    counts, send the rows (one all-to-all), run each local expert once on every row that arrived
+    for it, send the results back (a second all-to-all) and put each where its assignment was.
+    Differentiable: the gradients reach ``tokens``, ``weights`` and the local experts'
+    parameters (and only those experts run). A ``local_experts`` of the wrong length raises
+    ``ValueError`` naming both numbers.
+
+    The test compares outputs and every gradient with a loop over all ranks' tokens and every
+    expert, on 1 to 4 ranks and a subgroup, top-1 and top-2, with drops and an idle expert, and
+    counts the all-to-alls and their bytes.
+    """
+    raise NotImplementedError("task11_4: plan, counts, send, run each expert, send back, weigh")
+# --8<-- [end:expert_parallel_forward]

@@ -133,29 +133,41 @@ class MoE(nn.Module):
         return out.view_as(x), aux
 
 
-def expert_parallel(layer: MoE, x, group=None):
-    """``layer(x)`` with this rank's block of experts only: the tokens travel to their experts'
-    ranks and back. Returns (out, aux, counts); counts: what each all-to-all moved."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    tokens, experts, weights, kept, aux = layer.gate(x)
-    order, per_expert = dispatch_plan(experts, kept, layer.num_experts, world)
-    mine = layer.num_experts // world  # experts per rank
+def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                            kept: torch.Tensor, local_experts, num_experts: int, group=None):
+    """Each token's kept experts, weighed, with this rank's block of experts (task11_4)."""
+    world = dist.get_world_size(group)
+    mine = num_experts // world
+    if len(local_experts) != mine or num_experts % world:
+        raise ValueError(f"{len(local_experts)} local experts given; {num_experts} experts on "
+                         f"{world} ranks are {num_experts / world:g} a rank")
+    k = experts.shape[1]
+    order, per_expert = dispatch_plan(experts, kept, num_experts, world)
     from_each = exchange_counts(per_expert, group)  # (W, mine): rank s -> each of my experts
     send = per_expert.view(world, mine).sum(dim=1).tolist()
     receive = from_each.sum(dim=1).tolist()
-    arrived = AllToAll.apply(tokens[order // layer.k], send, receive, group)  # by source rank
-    # Each source sent its rows grouped by expert: regroup every source's rows by my expert.
-    local = torch.arange(mine, device=x.device).repeat(world).repeat_interleave(
-        from_each.flatten())
-    by_expert = torch.argsort(local, stable=True)
+    arrived = AllToAll.apply(tokens[order // k], send, receive, group)  # by source rank
+    # Each source's rows are grouped by expert: regroup all of them by my expert, stably.
+    local = torch.arange(mine, device=tokens.device).repeat(world)
+    by_expert = torch.argsort(local.repeat_interleave(from_each.flatten()), stable=True)
     pieces = arrived[by_expert].split(from_each.sum(dim=0).tolist())
-    done = torch.cat([layer.experts[rank * mine + j](piece) for j, piece in enumerate(pieces)])
+    done = torch.cat([expert(piece) for expert, piece in zip(local_experts, pieces, strict=True)])
     returned = AllToAll.apply(done[torch.argsort(by_expert)], receive, send, group)
-    slots = tokens.new_zeros(experts.numel(), tokens.shape[-1])
-    slots = slots.index_copy(0, order, returned)  # a dropped assignment's slot stays 0
-    out = (slots.view(*experts.shape, -1) * weights[..., None]).sum(dim=1)
-    counts = {"per_expert": per_expert, "sent_rows": send, "received_rows": receive}
-    return out.view_as(x), aux, counts
+    slots = tokens.new_zeros(experts.numel(), tokens.shape[-1]).index_copy(0, order, returned)
+    return (slots.view(*experts.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def expert_parallel(layer: MoE, x, group=None):
+    """``layer(x)`` with this rank's block of experts only: the tokens travel to their experts'
+    ranks and back. Returns (out, aux, per_expert): per_expert, what this rank sent each
+    expert."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    tokens, experts, weights, kept, aux = layer.gate(x)
+    mine = layer.num_experts // world  # experts per rank
+    block = layer.experts[rank * mine:(rank + 1) * mine]
+    out = expert_parallel_forward(tokens, experts, weights, kept, block, layer.num_experts, group)
+    _, per_expert = dispatch_plan(experts, kept, layer.num_experts, world)  # for the report
+    return out.view_as(x), aux, per_expert
 
 
 def check(args, rank: int, world: int, device: torch.device) -> dict:
@@ -166,7 +178,7 @@ def check(args, rank: int, world: int, device: torch.device) -> dict:
     layer = MoE(args.width, args.experts, args.k, args.capacity_factor, seed=args.seed)
     layer = layer.to(device)
     x, c = batch(args.seed + 1 + rank).requires_grad_(True), batch(-1 - rank)
-    out, aux, counts = expert_parallel(layer, x)
+    out, aux, per_expert = expert_parallel(layer, x)
     ((out * c).sum() + aux).backward()
     # One process: the same layer, on every rank's tokens, one batch at a time (the capacity is
     # per batch), the loss summed over the ranks' batches.
@@ -194,12 +206,11 @@ def check(args, rank: int, world: int, device: torch.device) -> dict:
             got = torch.zeros_like(p) if p.grad is None else p.grad
             errors["expert gradients"] = max(errors["expert gradients"],
                                              (got - want).abs().max().item())
-    per_expert = counts["per_expert"].clone()
-    dist.all_reduce(per_expert)
-    kept = per_expert.sum().item()
+    sent_rows = per_expert.view(world, -1).sum(dim=1).tolist()
+    dist.all_reduce(per_expert)  # every rank's: the tokens each expert got
     return {"errors": errors, "tokens_per_expert": per_expert.tolist(),
-            "dropped": world * args.tokens * args.k - kept,
-            "sent_rows": counts["sent_rows"], "row_bytes": args.width * x.element_size()}
+            "dropped": world * args.tokens * args.k - per_expert.sum().item(),
+            "sent_rows": sent_rows, "row_bytes": args.width * x.element_size()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

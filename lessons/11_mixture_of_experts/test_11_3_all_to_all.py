@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness.collectives import CollectiveLog
 from harness.compare import assert_close
 from harness.exercises import load_exercise
 from harness.ranks import run_on_ranks
 from harness.sweep import st, sweep
-from lesson11.common import GROUPS, LESSON, TIGHT, seeded, seeded_counts
+from lesson11.common import GROUPS, LESSON, TIGHT, my_group, seeded, seeded_counts
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
 # (tests/test_course.py checks the names).
@@ -46,16 +45,6 @@ CLAUSES = {
 }
 
 WIDTH = 3  # each row's size
-
-
-def my_group(ctx, groups):
-    """Build every subgroup (each rank must), return (this rank's group, its members)."""
-    group, members = None, list(range(ctx.world_size))
-    for ranks in groups or ():
-        made = dist.new_group(ranks)
-        if ctx.rank in ranks:
-            group, members = made, ranks
-    return group, members
 
 
 def counts_run(ctx, per_rank: int, groups=None) -> dict:

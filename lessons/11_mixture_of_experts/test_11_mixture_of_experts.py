@@ -101,7 +101,7 @@ def ep_run(ctx, num_experts: int, k: int, capacity_factor, shun_last: bool) -> d
     x = seeded(10 + rank, TOKENS, WIDTH).to(ctx.device).requires_grad_(True)
     c = seeded(20 + rank, TOKENS, WIDTH).to(ctx.device)
     with CollectiveLog(moe) as forward:
-        out, aux, counts = moe.expert_parallel(layer, x)
+        out, aux, per_expert = moe.expert_parallel(layer, x)
     with CollectiveLog(moe) as backward:
         ((out * c).sum() + aux).backward()
     single = layer_of(moe, num_experts, k, capacity_factor, shun_last)
@@ -123,8 +123,7 @@ def ep_run(ctx, num_experts: int, k: int, capacity_factor, shun_last: bool) -> d
                      [p.grad for p in single.experts[e].parameters()]) for e in mine_experts},
         "others_touched": [e for e in range(num_experts) if e not in mine_experts
                            and any(p.grad is not None for p in layer.experts[e].parameters())],
-        "per_expert": counts["per_expert"], "sent": counts["sent_rows"],
-        "received": counts["received_rows"],
+        "per_expert": per_expert,
         "forward": [(call.op, call.payload) for call in forward.calls],
         "backward": [(call.op, call.payload) for call in backward.calls],
     }
@@ -156,7 +155,9 @@ def test_expert_parallel_is_the_layer_in_one_process(group_case, k, capacity_fac
             total = sum(f["per_expert"] for f in results)
             assert total[-1] == 0, f"the last expert got {total[-1]} tokens; expected none"
         row = WIDTH * 8
-        sent, received = sum(found["sent"]), sum(found["received"])
+        mine = num_experts // world  # what rank r receives: every rank's rows for its block
+        sent = int(found["per_expert"].sum())
+        received = int(sum(f["per_expert"][rank * mine:(rank + 1) * mine].sum() for f in results))
         assert found["forward"] == [("all_to_all", num_experts * 8), ("all_to_all", sent * row),
                                     ("all_to_all", received * row)], found["forward"]
         assert found["backward"] == [("all_to_all", sent * row),

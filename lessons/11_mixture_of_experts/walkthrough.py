@@ -144,4 +144,4 @@ assert run.returncode == 0, run.stderr
 # %% [markdown]
 # The output, the gradients of the input and the router, and each expert's gradient on the
 # rank that holds it equal the layer in one process. The exercises build each piece: the
-# routing, the plan and the two exchanges.
+# routing, the plan, the two exchanges and the layer built from them.

@@ -1,6 +1,6 @@
 """Lesson 11 exercises: mixture of experts. The router's top-k choice with a capacity per expert,
-the plan that groups a rank's tokens by the rank holding their expert, and the all-to-all that
-carries them there and their gradients back.
+the plan that groups a rank's tokens by the rank holding their expert, the all-to-all that
+carries them there and their gradients back, and the expert-parallel layer built from them.
 
 Grade with ``pytest lessons/11_mixture_of_experts`` (one task: ``-m task11_1``). Each function's
 docstring is its contract: what it takes, what it returns, and what the test checks.
@@ -142,3 +142,47 @@ class AllToAll(torch.autograd.Function):
                                input_split_sizes=receive_sizes, group=ctx.group)
         return back, None, None, None
 # --8<-- [end:AllToAll]
+
+
+# --8<-- [start:expert_parallel_forward]
+def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                            kept: torch.Tensor, local_experts, num_experts: int, group=None):
+    """One MoE layer's forward with this rank's block of experts: the tokens travel to their
+    experts' ranks and back.
+
+    ``tokens``: (T, C), this rank's. ``experts``, ``weights``, ``kept``: ``route``'s (T, k) for
+    them. ``local_experts``: this rank's E / W experts, in order (rank r of ``group`` holds
+    experts ``r * E // W`` onwards; ``None``: every rank). Returns (T, C): for each token, the
+    sum over its kept assignments of weight × expert(token); a dropped assignment adds 0.
+
+    Use this file's ``dispatch_plan``, ``exchange_counts`` and ``AllToAll``: plan, exchange the
+    counts, send the rows (one all-to-all), run each local expert once on every row that arrived
+    for it, send the results back (a second all-to-all) and put each where its assignment was.
+    Differentiable: the gradients reach ``tokens``, ``weights`` and the local experts'
+    parameters (and only those experts run). A ``local_experts`` of the wrong length raises
+    ``ValueError`` naming both numbers.
+
+    The test compares outputs and every gradient with a loop over all ranks' tokens and every
+    expert, on 1 to 4 ranks and a subgroup, top-1 and top-2, with drops and an idle expert, and
+    counts the all-to-alls and their bytes.
+    """
+    world = dist.get_world_size(group)
+    mine = num_experts // world
+    if len(local_experts) != mine or num_experts % world:
+        raise ValueError(f"{len(local_experts)} local experts given; {num_experts} experts on "
+                         f"{world} ranks are {num_experts / world:g} a rank")
+    k = experts.shape[1]
+    order, per_expert = dispatch_plan(experts, kept, num_experts, world)
+    from_each = exchange_counts(per_expert, group)  # (W, mine): rank s -> each of my experts
+    send = per_expert.view(world, mine).sum(dim=1).tolist()
+    receive = from_each.sum(dim=1).tolist()
+    arrived = AllToAll.apply(tokens[order // k], send, receive, group)  # by source rank
+    # Each source's rows are grouped by expert: regroup all of them by my expert, stably.
+    local = torch.arange(mine, device=tokens.device).repeat(world)
+    by_expert = torch.argsort(local.repeat_interleave(from_each.flatten()), stable=True)
+    pieces = arrived[by_expert].split(from_each.sum(dim=0).tolist())
+    done = torch.cat([expert(piece) for expert, piece in zip(local_experts, pieces, strict=True)])
+    returned = AllToAll.apply(done[torch.argsort(by_expert)], receive, send, group)
+    slots = tokens.new_zeros(experts.numel(), tokens.shape[-1]).index_copy(0, order, returned)
+    return (slots.view(*experts.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+# --8<-- [end:expert_parallel_forward]

@@ -188,7 +188,7 @@ COURSE: tuple[Lesson, ...] = (
                    max_changed=80))),
     Lesson("11_mixture_of_experts", "Mixture of experts: expert parallel",
            {"task11_1": "route", "task11_2": "dispatch_plan",
-            "task11_3": "exchange_counts, AllToAll"},
+            "task11_3": "exchange_counts, AllToAll", "task11_4": "expert_parallel_forward"},
            (Script("moe.py", "torchrun", 2, ("--tokens", "16", "--width", "8")),)),
 )
 
