@@ -14,8 +14,8 @@ from harness.ranks import group_params
 
 LESSON = "11_mixture_of_experts"
 SCRIPT = f"lessons/{LESSON}/moe.py"
-# all_to_all_single: gloo with CPU tensors (1 to 4 ranks) and nccl one rank per GPU; gloo has no
-# all-to-all for CUDA tensors.
+# all_to_all_single: gloo with CPU tensors (1 to 4 ranks) and nccl with one rank per GPU, what
+# runs all-to-alls on GPUs.
 GROUPS = group_params(world_sizes=(1, 2, 3, 4), cuda_world_sizes=())
 TIGHT = {"rtol": 1e-9, "atol": 1e-9}  # float64 throughout
 
@@ -69,3 +69,11 @@ def my_group(ctx, groups):
         if ctx.rank in ranks:
             group, members = made, ranks
     return group, members
+
+
+def everyone_agrees(ctx, ok: bool) -> bool:
+    """Whether every rank's ``ok`` holds (one all-reduce over all ranks, which the graders do
+    not count): a rank may go on to a backward's collectives only when every rank does."""
+    flag = torch.tensor([int(ok)], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

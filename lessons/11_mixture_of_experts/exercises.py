@@ -120,14 +120,16 @@ def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights
     sum over its kept assignments of weight × expert(token); a dropped assignment adds 0.
 
     Use this file's ``dispatch_plan``, ``exchange_counts`` and ``AllToAll``: plan, exchange the
-    counts, send the rows (one all-to-all), run each local expert once on every row that arrived
-    for it, send the results back (a second all-to-all) and put each where its assignment was.
+    counts, send the rows (one all-to-all), run each local expert once, on every row that
+    arrived for it from any rank, send the results back (a second all-to-all) and put each
+    where its assignment was.
     Differentiable: the gradients reach ``tokens``, ``weights`` and the local experts'
     parameters (and only those experts run). A ``local_experts`` of the wrong length raises
     ``ValueError`` naming both numbers.
 
     The test compares outputs and every gradient with a loop over all ranks' tokens and every
-    expert, on 1 to 4 ranks and a subgroup, top-1 and top-2, with drops and an idle expert, and
+    expert, on 1, 2 and 4 ranks and a subgroup, top-1 and top-2, with drops, an idle expert, a
+    rank that receives nothing and capacity 0; it checks that each local expert runs once, and
     counts the all-to-alls and their bytes.
     """
     raise NotImplementedError("task11_4: plan, counts, send, run each expert, send back, weigh")

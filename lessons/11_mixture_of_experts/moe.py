@@ -90,6 +90,8 @@ def load_balancing_loss(probs, experts, num_experts):
     """Switch Transformer's auxiliary loss, E * sum_e f_e P_e: f_e the share of the assignments
     routed to expert e (before the capacity drops any), P_e its mean probability. 1 when both
     are uniform; its gradient flows through P alone (f is a count)."""
+    if probs.shape[0] == 0:  # no token on this rank: nothing to balance
+        return probs.sum()
     share = torch.bincount(experts.flatten(), minlength=num_experts) / experts.numel()
     return num_experts * (share.to(probs.dtype) * probs.mean(dim=0)).sum()
 
@@ -153,8 +155,9 @@ def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights
     pieces = arrived[by_expert].split(from_each.sum(dim=0).tolist())
     done = torch.cat([expert(piece) for expert, piece in zip(local_experts, pieces, strict=True)])
     returned = AllToAll.apply(done[torch.argsort(by_expert)], receive, send, group)
-    slots = tokens.new_zeros(experts.numel(), tokens.shape[-1]).index_copy(0, order, returned)
-    return (slots.view(*experts.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+    # returned's dtype: the experts' (under autocast, not the tokens'); a dropped slot stays 0
+    slots = returned.new_zeros(experts.numel(), returned.shape[-1]).index_copy(0, order, returned)
+    return (slots.view(*experts.shape, returned.shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
 
 
 def expert_parallel(layer: MoE, x, group=None):

@@ -31,9 +31,14 @@ CLAUSES = {
 }
 
 
-def weights_hint(weights: torch.Tensor, logits: torch.Tensor, k: int) -> str:
+def weights_hint(weights: torch.Tensor, logits: torch.Tensor, k: int, kept) -> str:
     """Name the mistake a wrong answer most likely made with the weights."""
     top = logits.softmax(dim=-1).topk(k, dim=-1).values
+    if kept is not None and kept.shape == top.shape and not kept.all():
+        over_kept = top * kept / (top * kept).sum(dim=-1, keepdim=True).clamp_min(1e-300)
+        if torch.allclose(weights, over_kept, **TIGHT):
+            return (": those are renormalised over the kept experts only; renormalise over "
+                    "all k chosen, before the capacity drops any")
     if torch.allclose(weights, top, **TIGHT):
         return (": these are the softmax's probabilities as they are; renormalise them after "
                 "the top-k, so that a token's k weights sum to 1")
@@ -76,7 +81,7 @@ def test_route_matches_a_loop(ex, tokens, num_experts, data, seed):
     try:
         assert_close(weights, want.detach(), f"{where}: weights", **TIGHT)
     except AssertionError as error:
-        hint = weights_hint(weights.detach(), logits.detach(), k)
+        hint = weights_hint(weights.detach(), logits.detach(), k, kept)
         raise AssertionError(f"{error}{hint}") from None
     assert weights.requires_grad, (
         f"{where}: the weights are not differentiable with respect to logits; keep them in "

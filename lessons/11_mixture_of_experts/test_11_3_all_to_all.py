@@ -16,7 +16,7 @@ from harness.compare import assert_close
 from harness.exercises import load_exercise
 from harness.ranks import run_on_ranks
 from harness.sweep import st, sweep
-from lesson11.common import GROUPS, LESSON, TIGHT, my_group, seeded, seeded_counts
+from lesson11.common import GROUPS, LESSON, TIGHT, everyone_agrees, my_group, seeded, seeded_counts
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
 # (tests/test_course.py checks the names).
@@ -117,7 +117,7 @@ def a2a_run(ctx, sizes: list[list[int]], groups=None, as_tensors: bool = False) 
                                  f"{type(error).__name__}: {str(error)[:200]}; {advice}") from None
     found = {"y": y.detach(), "members": members, "x_changed": not torch.equal(x.detach(), before),
              "forward": [(call.op, call.payload) for call in forward.calls], "backward": []}
-    if y.shape != c.shape:
+    if not everyone_agrees(ctx, y.shape == c.shape):  # every rank, or none, goes backward
         return {**found, "grad": None}
     with CollectiveLog(ex) as backward:
         try:

@@ -17,7 +17,7 @@ from harness.collectives import CollectiveLog
 from harness.compare import assert_close
 from harness.exercises import load_exercise
 from harness.ranks import run_on_ranks
-from lesson11.common import GROUPS, LESSON, TIGHT, loop_route, my_group, seeded
+from lesson11.common import GROUPS, LESSON, TIGHT, everyone_agrees, loop_route, my_group, seeded
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
 # (tests/test_course.py checks the names).
@@ -29,6 +29,8 @@ CLAUSES = {
         "rank r of group holds experts r E / W onwards (None: every rank)":
             ["test_expert_parallel_is_the_loop_over_every_ranks_tokens"],
         "gradients reach tokens, weights and the local experts":
+            ["test_expert_parallel_is_the_loop_over_every_ranks_tokens"],
+        "each local expert runs once, on all its rows":
             ["test_expert_parallel_is_the_loop_over_every_ranks_tokens"],
         "the counts, the rows there and back: three all-to-alls forward, two backward":
             ["test_expert_parallel_is_the_loop_over_every_ranks_tokens"],
@@ -52,25 +54,34 @@ def make_experts(num_experts: int) -> nn.ModuleList:
     return experts
 
 
-def routing(member: int, num_experts: int, k: int, capacity, idle: bool):
-    """Rank ``member``'s tokens, routing (from the loop) and loss weights."""
+def routing(member: int, num_experts: int, k: int, capacity, idle: int):
+    """Rank ``member``'s tokens, routing (from the loop) and loss weights; nobody chooses the
+    last ``idle`` experts."""
     logits = seeded(50 + member, TOKENS, num_experts)
-    if idle:  # nobody chooses the last expert
-        logits[:, -1] = -1e3
+    if idle:
+        logits[:, num_experts - idle:] = -1e3
     experts, weights, kept = loop_route(logits, k, capacity)
     return (seeded(60 + member, TOKENS, WIDTH), torch.tensor(experts),
             torch.stack([torch.stack(row) for row in weights]).detach(), torch.tensor(kept),
             seeded(70 + member, TOKENS, WIDTH))
 
 
-def loop_layer(tokens, experts, weights, kept, every_expert):
-    return torch.stack([sum((weights[t, j] * every_expert[int(experts[t, j])](tokens[t])
-                             for j in range(experts.shape[1]) if kept[t, j]),
+def loop_layer(tokens, experts, weights, kept, every_expert, dropped=None):
+    """The layer, token by token. ``dropped``: what a dropped assignment's slot holds (0, or
+    the token for the wrong answer that passes it through); weights=None: unweighted."""
+    def term(t, j):
+        if kept[t, j]:
+            result = every_expert[int(experts[t, j])](tokens[t])
+        else:
+            result = tokens[t] if dropped == "token" else torch.zeros(WIDTH, dtype=torch.float64)
+        return result if weights is None else weights[t, j] * result
+
+    return torch.stack([sum((term(t, j) for j in range(experts.shape[1])),
                             torch.zeros(WIDTH, dtype=torch.float64))
                         for t in range(tokens.shape[0])])
 
 
-def ep_run(ctx, num_experts: int, k: int, capacity, idle: bool, groups=None) -> dict:
+def ep_run(ctx, num_experts: int, k: int, capacity, idle: int, groups=None) -> dict:
     ex = load_exercise(LESSON)
     group, members = my_group(ctx, groups)
     place, world = members.index(ctx.rank), len(members)
@@ -79,14 +90,26 @@ def ep_run(ctx, num_experts: int, k: int, capacity, idle: bool, groups=None) -> 
     tokens = tokens.to(ctx.device).requires_grad_(True)
     weights = weights.to(ctx.device).requires_grad_(True)
     block = make_experts(num_experts)[place * mine:(place + 1) * mine].to(ctx.device)
+    calls = [0] * mine
+    for j, expert in enumerate(block):
+        expert.register_forward_hook(lambda *_, j=j: calls.__setitem__(j, calls[j] + 1))
     with CollectiveLog(ex) as forward:
-        out = ex.expert_parallel_forward(tokens, experts.to(ctx.device), weights,
-                                         kept.to(ctx.device), block, num_experts,
-                                         *([group] if groups else []))
-    found = {"out": out.detach(), "members": members, "tokens_grad": None,
-             "forward": [(call.op, call.payload) for call in forward.calls], "backward": []}
-    if out.shape != c.shape:
-        return found
+        try:
+            out = ex.expert_parallel_forward(tokens, experts.to(ctx.device), weights,
+                                             kept.to(ctx.device), block, num_experts,
+                                             *([group] if groups else []))
+        except ValueError as error:
+            if not groups:
+                raise
+            raise AssertionError(
+                f"expert_parallel_forward raised ValueError in a group of {world} of "
+                f"{ctx.world_size} ranks ({error}): use the group's size and rank, "
+                f"dist.get_world_size(group), in every call") from None
+    found = {"out": out.detach(), "members": members, "calls": calls, "backward": [],
+             "forward": [(call.op, call.payload) for call in forward.calls],
+             "needs_grad": out.requires_grad}
+    if not everyone_agrees(ctx, out.shape == c.shape and out.requires_grad):
+        return found  # some rank's output cannot go through the backward: the test says why
     with CollectiveLog(ex) as backward:
         (out * c.to(ctx.device)).sum().backward()
     found.update(tokens_grad=tokens.grad, weights_grad=weights.grad,
@@ -103,9 +126,16 @@ def ep_run(ctx, num_experts: int, k: int, capacity, idle: bool, groups=None) -> 
         total = total + (y_s * c_s).sum()
         if s == place:
             mine_ref = (y_s.detach(), t_s, w_s)
-    total.backward()
-    found["want"] = {"out": mine_ref[0], "tokens_grad": mine_ref[1].grad,
-                     "weights_grad": mine_ref[2].grad,
+            with torch.no_grad():
+                found["unweighted"] = loop_layer(t_s, e_s, None, k_s, every_expert)
+                found["passed_through"] = loop_layer(t_s, e_s, w_s, k_s, every_expert, "token")
+    if total.requires_grad:  # everything dropped: nothing to differentiate, every gradient 0
+        total.backward()
+    found["want"] = {"out": mine_ref[0],
+                     "tokens_grad": torch.zeros_like(mine_ref[1]) if mine_ref[1].grad is None
+                     else mine_ref[1].grad,
+                     "weights_grad": torch.zeros_like(mine_ref[2]) if mine_ref[2].grad is None
+                     else mine_ref[2].grad,
                      "expert_grads": [[p.grad for p in e.parameters()] for e in
                                       every_expert[place * mine:(place + 1) * mine]]}
     found["routed"] = [int(((e_s >= place * mine) & (e_s < (place + 1) * mine) & k_s).sum())
@@ -115,17 +145,26 @@ def ep_run(ctx, num_experts: int, k: int, capacity, idle: bool, groups=None) -> 
     return found
 
 
-def out_hint(found: dict, world: int) -> str:
+def out_hint(found: dict, got: torch.Tensor, world: int) -> str:
+    """Name the mistake when the output is one a known mistake gives; a guess only as one."""
+    if torch.allclose(got, found["unweighted"], **TIGHT):
+        return ": that is the sum of the experts' outputs unweighted; weigh each by its weight"
+    if torch.allclose(got, found["passed_through"], **TIGHT):
+        return (": a dropped assignment added the token itself; it adds 0 (the block's "
+                "residual already carries the token)")
     if world > 1:
-        return (": rows came back to the wrong assignments? They arrive grouped by source rank, "
-                "then by expert: regroup them by local expert before running the experts, and "
-                "put each result back in arrival order before the second all-to-all")
+        return (": did rows come back to the wrong assignments? They arrive grouped by source "
+                "rank, then by expert: regroup them by local expert before running the "
+                "experts, and put each result back in arrival order before the second "
+                "all-to-all")
     return ""
 
 
 @pytest.mark.task11_4
-@pytest.mark.parametrize("k, capacity, idle", [(1, None, False), (2, None, True), (2, 3, False)],
-                         ids=["top-1", "top-2, an idle expert", "top-2, capacity 3"])
+@pytest.mark.parametrize("k, capacity, idle", [
+    (1, None, 0), (2, None, 1), (2, 3, 0), (1, None, "a rank's block"), (2, 0, 0)],
+    ids=["top-1", "top-2, an idle expert", "top-2, capacity 3", "top-1, a rank gets nothing",
+         "top-2, capacity 0"])
 @pytest.mark.parametrize("group_case", [g for g in GROUPS if g.values[0][0] in (1, 2, 4)]
                          + [pytest.param("subgroups", id="subgroups")])
 def test_expert_parallel_is_the_loop_over_every_ranks_tokens(group_case, k, capacity, idle):
@@ -135,23 +174,39 @@ def test_expert_parallel_is_the_loop_over_every_ranks_tokens(group_case, k, capa
         (world, backend, device), groups = group_case, None
     members = 2 if groups else world
     num_experts = 2 * members if members > 1 else 3
+    if idle == "a rank's block":  # the last rank's experts: that rank receives no row
+        idle = num_experts // members if members > 1 else 1
     results = run_on_ranks(ep_run, num_experts, k, capacity, idle, groups, world_size=world,
                            backend=backend, device=device)
     for rank, found in enumerate(results):
         where = (f"rank {rank} (group {found['members']}), {num_experts} experts, top-{k}, "
-                 f"capacity {capacity}")
-        want = found.get("want")
-        if want is None:
+                 f"capacity {capacity}, {idle} idle")
+        if tuple(found["out"].shape) != (TOKENS, WIDTH):
             raise AssertionError(f"{where}: expert_parallel_forward returned "
                                  f"{tuple(found['out'].shape)}, expected ({TOKENS}, {WIDTH})")
+        if not found["needs_grad"]:
+            raise AssertionError(f"{where}: the output is not differentiable: send the rows with "
+                                 f"AllToAll (dist.all_to_all_single has no autograd) and keep "
+                                 f"the weights in the graph")
+        if "want" not in found:
+            raise AssertionError(f"{where}: another rank's output could not go through the "
+                                 f"backward (see its message)")
+        want = found["want"]
         got = found["out"].cpu()
         if not torch.allclose(got, want["out"], **TIGHT):
-            hint = out_hint(found, members)
+            hint = out_hint(found, got, members)
             plain = (want["out"] - got).abs().max().item()
             raise AssertionError(f"{where}: the output differs from the loop over tokens by up "
                                  f"to {plain:.2e}{hint}")
+        if found["tokens_grad"] is None:
+            raise AssertionError(f"{where}: no gradient reached tokens: send the rows with "
+                                 f"AllToAll (dist.all_to_all_single has no autograd)")
         assert_close(found["tokens_grad"].cpu(), want["tokens_grad"],
                      f"{where}: the gradient of tokens", **TIGHT)
+        ran = found["calls"]
+        assert ran == [1] * len(ran), (
+            f"{where}: the local experts ran {ran} times; run each once, on every row that "
+            f"arrived for it from any rank (one large product, not one per source rank)")
         if found["weights_grad"] is None:
             raise AssertionError(f"{where}: no gradient reached the weights: multiply the rows "
                                  f"that came back by weights inside the graph")

@@ -15,9 +15,9 @@ gloo/CPU ranks (and on nccl where GPUs are present):
 - a step sends exactly: the counts (E numbers), this rank's kept rows there and the rows it
   received back in the forward, and the same two the other way in the backward.
 
-Each task's tests are in its own file, test_11_1_route.py to test_11_3_all_to_all.py (what they
-share is in common.py and conftest.py); this file checks the lesson's claims and its script,
-moe.py:
+Each task's tests are in its own file, test_11_1_route.py to test_11_4_expert_parallel.py
+(what they share is in common.py and conftest.py); this file checks the lesson's claims and its
+script, moe.py:
 
     pytest lessons/11_mixture_of_experts/test_11_mixture_of_experts.py
 """
@@ -186,7 +186,7 @@ def test_renormalising_after_top_k_is_a_softmax_over_the_chosen_logits():
 
 
 def torch_a2a_run(ctx, sizes) -> dict:
-    from torch.distributed.nn.functional import all_to_all_single
+    import torch.distributed._functional_collectives as ft_c
 
     moe = moe_module()
     send = sizes[ctx.rank]
@@ -197,7 +197,8 @@ def torch_a2a_run(ctx, sizes) -> dict:
         if name == "course":
             y = moe.AllToAll.apply(x, send, receive)
         else:
-            y = all_to_all_single(x.new_empty(sum(receive), 3), x, receive, send)
+            y = ft_c.all_to_all_single_autograd(x, receive, send, dist.group.WORLD)
+            y = ft_c.wait_tensor(y)  # an asynchronous collective's result: wait for it
         (y * seeded(40 + ctx.rank, sum(receive), 3)).sum().backward()
         found[name] = (y.detach(), x.grad)
     return found
@@ -210,4 +211,4 @@ def test_torchs_differentiable_all_to_all_agrees(world):
         for got, want, what in zip(found["course"], found["torch"], ("output", "gradient"),
                                    strict=True):
             assert_close(got, want, f"rank {rank}: AllToAll's {what} against torch's "
-                         f"torch.distributed.nn.functional.all_to_all_single", **TIGHT)
+                         f"_functional_collectives.all_to_all_single_autograd", **TIGHT)

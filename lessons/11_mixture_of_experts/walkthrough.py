@@ -103,15 +103,17 @@ outgoing = [batch[order // k].split(counts.view(world, -1).sum(dim=1).tolist())
             for batch, (_, _, order, counts) in zip(batches, plans, strict=True)]
 arrived = [[outgoing[s][d] for s in range(world)] for d in range(world)]  # the all-to-all
 results = []
+mine = num_experts // world
 for d in range(world):
-    mine = num_experts // world
-    # What arrived from rank s is grouped by expert too: cut it by s's counts of my experts.
-    done = []
-    for s in range(world):
-        counts_s = plans[s][3][d * mine:(d + 1) * mine].tolist()
-        pieces = arrived[d][s].split(counts_s)
-        done.append(torch.cat([experts_mlps[d * mine + j](p) for j, p in enumerate(pieces)]))
-    results.append(done)
+    # What arrived from rank s is grouped by expert too: cut it by s's counts of my experts,
+    # then run each of my experts once, on its rows from every rank.
+    cut = [arrived[d][s].split(plans[s][3][d * mine:(d + 1) * mine].tolist())
+           for s in range(world)]
+    outputs = [experts_mlps[d * mine + j](torch.cat([cut[s][j] for s in range(world)]))
+               for j in range(mine)]
+    # Back into the order the rows arrived in (by rank, then expert), for the return trip.
+    pieces = [out.split([len(cut[s][j]) for s in range(world)]) for j, out in enumerate(outputs)]
+    results.append([torch.cat([pieces[j][s] for j in range(mine)]) for s in range(world)])
 back = [torch.cat([results[d][s] for d in range(world)]) for s in range(world)]  # combine
 for s, (w, flat, order, _) in enumerate(plans):
     slots = torch.zeros(tokens * k, width)

@@ -156,14 +156,16 @@ def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights
     sum over its kept assignments of weight × expert(token); a dropped assignment adds 0.
 
     Use this file's ``dispatch_plan``, ``exchange_counts`` and ``AllToAll``: plan, exchange the
-    counts, send the rows (one all-to-all), run each local expert once on every row that arrived
-    for it, send the results back (a second all-to-all) and put each where its assignment was.
+    counts, send the rows (one all-to-all), run each local expert once, on every row that
+    arrived for it from any rank, send the results back (a second all-to-all) and put each
+    where its assignment was.
     Differentiable: the gradients reach ``tokens``, ``weights`` and the local experts'
     parameters (and only those experts run). A ``local_experts`` of the wrong length raises
     ``ValueError`` naming both numbers.
 
     The test compares outputs and every gradient with a loop over all ranks' tokens and every
-    expert, on 1 to 4 ranks and a subgroup, top-1 and top-2, with drops and an idle expert, and
+    expert, on 1, 2 and 4 ranks and a subgroup, top-1 and top-2, with drops, an idle expert, a
+    rank that receives nothing and capacity 0; it checks that each local expert runs once, and
     counts the all-to-alls and their bytes.
     """
     world = dist.get_world_size(group)
@@ -183,6 +185,7 @@ def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights
     pieces = arrived[by_expert].split(from_each.sum(dim=0).tolist())
     done = torch.cat([expert(piece) for expert, piece in zip(local_experts, pieces, strict=True)])
     returned = AllToAll.apply(done[torch.argsort(by_expert)], receive, send, group)
-    slots = tokens.new_zeros(experts.numel(), tokens.shape[-1]).index_copy(0, order, returned)
-    return (slots.view(*experts.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+    # returned's dtype: the experts' (under autocast, not the tokens'); a dropped slot stays 0
+    slots = returned.new_zeros(experts.numel(), returned.shape[-1]).index_copy(0, order, returned)
+    return (slots.view(*experts.shape, returned.shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
 # --8<-- [end:expert_parallel_forward]

@@ -2,9 +2,9 @@
 adds the token again, so a dropped token counts twice."""
 
 TASK = "task11_4"
-EXPECT = r"the output differs from the loop over tokens"
+EXPECT = r"a dropped assignment added the token itself"
 REPLACE = {"expert_parallel_forward": [
-    ("    slots = tokens.new_zeros(experts.numel(), tokens.shape[-1]).index_copy(0, order, "
+    ("    slots = returned.new_zeros(experts.numel(), returned.shape[-1]).index_copy(0, order, "
      "returned)\n",
      "    slots = tokens.repeat_interleave(k, dim=0).index_copy(0, order, returned)\n"),
 ]}

@@ -3,7 +3,7 @@ the rows arrived (by source rank): with two experts a rank and two ranks, rows r
 tokens."""
 
 TASK = "task11_4"
-EXPECT = r"rows came back to the wrong assignments"
+EXPECT = r"did rows come back to the wrong assignments"
 REPLACE = {"expert_parallel_forward": [
     ("    returned = AllToAll.apply(done[torch.argsort(by_expert)], receive, send, group)\n",
      "    returned = AllToAll.apply(done, receive, send, group)\n"),

@@ -2,7 +2,7 @@
 arrive by source rank first, so each expert gets some of another expert's rows."""
 
 TASK = "task11_4"
-EXPECT = r"rows came back to the wrong assignments"
+EXPECT = r"did rows come back to the wrong assignments"
 REPLACE = {"expert_parallel_forward": [
     ("    pieces = arrived[by_expert].split(from_each.sum(dim=0).tolist())\n",
      "    pieces = arrived.split(from_each.sum(dim=0).tolist())\n"),

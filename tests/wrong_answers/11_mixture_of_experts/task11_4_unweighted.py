@@ -4,6 +4,7 @@ from the loss, and the output is too large."""
 TASK = "task11_4"
 EXPECT = r"no gradient reached the weights"
 REPLACE = {"expert_parallel_forward": [
-    ("    return (slots.view(*experts.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)",
-     "    return slots.view(*experts.shape, -1).sum(dim=1)"),
+    ("    return (slots.view(*experts.shape, returned.shape[-1]) * weights.unsqueeze(-1))"
+     ".sum(dim=1)",
+     "    return slots.view(*experts.shape, returned.shape[-1]).sum(dim=1)"),
 ]}
