@@ -78,5 +78,5 @@ def readme_cases() -> list[dict]:
         cases.append({"case": cells[0], "model_bytes": int(number[0] * GB),
                       "activation_bytes": int(number[1] * GB), "gpu_memory": int(number[2] * GB),
                       "num_gpus": int(cells[4]), "gpus_per_node": int(cells[5]), "link": cells[6],
-                      "method": cells[7].strip("`")})
+                      "moe": {"yes": True, "no": False}[cells[7]], "method": cells[8].strip("`")})
     return cases

@@ -25,6 +25,7 @@ DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb when it is left unset
 FIRST_BUCKET_BYTES = MiB  # dist._DEFAULT_FIRST_BUCKET_BYTES: the first bucket's, by default
 LINKS = ("nvlink", "pcie")  # between the GPUs of one node: fast, or slow
 METHODS = ("one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp", "cp+tp+fsdp", "cp+fsdp")
+METHODS += tuple("ep+" + method for method in METHODS[2:])  # a mixture of experts
 
 
 # --8<-- [start:bus_bandwidth]
@@ -150,7 +151,7 @@ def bf16_compress(state, bucket):
 
 # --8<-- [start:choose_method]
 def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_gpus: int,
-                  gpus_per_node: int, link: str) -> str:
+                  gpus_per_node: int, link: str, moe: bool = False) -> str:
     """The method of the lesson's decision table, one of ``METHODS``.
 
     ``model_bytes``: the fp32 weights. Training them with AdamW holds 4 times that (weights,
@@ -168,6 +169,11 @@ def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_
        cut across the nodes by context parallelism (lesson 10): ``"cp+tp+fsdp"`` over NVLink
        (tensor parallel inside each node, context parallel across), ``"cp+fsdp"`` over PCIe
        (context parallel over every GPU: its ring's sends can overlap attention).
+
+    ``moe=True``, a mixture of experts (lesson 11): 1 and 2 stay, but in 3 to 5 expert
+    parallelism splits the experts across the GPUs instead of FSDP gathering every expert to
+    every GPU, and the name gets ``"ep+"`` in front (``"ep+fsdp"``, ``"ep+pp+fsdp"``, ...).
+    The bytes per GPU are the same; what moves is each token to its experts.
 
     Nothing fits (or one GPU that is too small): ``ValueError`` saying how many bytes the
     smallest option (5, or 1 on one GPU) needs. Arguments that are not positive,

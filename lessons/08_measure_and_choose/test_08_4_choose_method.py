@@ -41,6 +41,10 @@ CLAUSES = {
             "test_choose_method_follows_the_table_of_the_text",
             "test_choose_method_counts_exactly_full_as_fitting",
             "test_choose_method_is_the_tables_first_fit_on_generated_clusters"],
+        "moe=True: 1 and 2 stay, 3 to 5 split the experts, 'ep+' in front of the name": [
+            "test_choose_method_follows_the_table_of_the_text",
+            "test_choose_method_counts_exactly_full_as_fitting",
+            "test_choose_method_is_the_tables_first_fit_on_generated_clusters"],
         "in order, the first that fits in gpu_memory (exactly full fits)": [
             "test_choose_method_follows_the_table_of_the_text",
             "test_choose_method_counts_exactly_full_as_fitting"],
@@ -77,33 +81,36 @@ def test_choose_method_follows_the_table_of_the_text(ex, case):
         f"{case['method']!r}. Each GPU holds 4 x the weights (AdamW: weights, gradients, two "
         f"moments), divided by the GPUs when sharded, plus its activations (divided by the GPUs "
         f"of a node with tensor or pipeline parallelism, by all the GPUs only with context "
-        f"parallelism across the nodes as well)")
+        f"parallelism across the nodes as well); for a mixture of experts (moe=True), the rows "
+        f"past DDP split the experts by expert parallelism: 'ep+' in front of their names")
 
 
 def first_fit(model: int, activations: int, memory: int, gpus: int, per_node: int,
-              link: str) -> str | None:
+              link: str, moe: bool) -> str | None:
     """The README's table, read as its text says: the first row whose bytes per GPU fit."""
     nvlink = link == "nvlink"
+    ep = "ep+" if moe else ""
     rows = [("one device" if gpus == 1 else "ddp", 4 * model + activations)]
     if gpus > 1:
-        rows += [("fsdp", 4 * model / gpus + activations),
-                 ("tp+fsdp" if nvlink else "pp+fsdp", 4 * model / gpus + activations / per_node),
-                 ("cp+tp+fsdp" if nvlink else "cp+fsdp", (4 * model + activations) / gpus)]
+        rows += [(ep + "fsdp", 4 * model / gpus + activations),
+                 (ep + ("tp+fsdp" if nvlink else "pp+fsdp"),
+                  4 * model / gpus + activations / per_node),
+                 (ep + ("cp+tp+fsdp" if nvlink else "cp+fsdp"), (4 * model + activations) / gpus)]
     return next((method for method, need in rows if need <= memory), None)
 
 
 @pytest.mark.task8_4
 @sweep(max_examples=60, nodes=st.integers(1, 8), per_node=st.sampled_from([1, 2, 4, 8]),
        model=st.integers(1, 64), activations=st.integers(0, 512),
-       memory=st.integers(1, 512), link=st.sampled_from(["nvlink", "pcie"]))
+       memory=st.integers(1, 512), link=st.sampled_from(["nvlink", "pcie"]), moe=st.booleans())
 def test_choose_method_is_the_tables_first_fit_on_generated_clusters(
-        ex, nodes, per_node, model, activations, memory, link):
+        ex, nodes, per_node, model, activations, memory, link, moe):
     """Clusters of 1 to 8 nodes of 1 to 8 GPUs, sizes in units that every split divides
     exactly (so no rounding decides a boundary): the method is the table's first fit, and
     where nothing fits, a ValueError."""
     gpus = nodes * per_node
     unit = 64 * 8  # every count of GPUs here divides it
-    arguments = (model * unit, activations * unit, memory * unit // 4, gpus, per_node, link)
+    arguments = (model * unit, activations * unit, memory * unit // 4, gpus, per_node, link, moe)
     want = first_fit(*arguments)
     if want is None:
         assert_refuses(ex.choose_method, arguments, f"choose_method{arguments}: no row of the "
@@ -116,7 +123,8 @@ def test_choose_method_is_the_tables_first_fit_on_generated_clusters(
     assert got == want, (
         f"choose_method{arguments} returned {got!r}; the table's first row that fits is "
         f"{want!r} (each GPU: 4 x weights / GPUs when sharded; activations / GPUs of a node with "
-        f"tp or pp, / all GPUs with cp across the nodes too)")
+        f"tp or pp, / all GPUs with cp across the nodes too; moe=True puts 'ep+' in front of "
+        f"every row past DDP)")
 
 
 @pytest.mark.task8_4
@@ -144,6 +152,14 @@ BOUNDARIES = [
     ((GB, 12 * GB, GB, 16, 8, "nvlink"), "cp+tp+fsdp",
      "(4 GB + 12 GB) / 16 is exactly 1 GB, where 4 GB / 16 + 12 GB / 8 is 1.75 GB"),
     ((GB, 12 * GB, GB, 16, 8, "pcie"), "cp+fsdp", "(4 GB + 12 GB) / 16 is exactly 1 GB"),
+    ((GB, GB, 5 * GB, 2, 2, "nvlink", True), "ddp",
+     "a mixture of experts that fits whole on each GPU (4 x 1 GB + 1 GB is exactly 5 GB) is DDP"),
+    ((GB, GB, 3 * GB, 2, 2, "nvlink", True), "ep+fsdp",
+     "a mixture of experts: 4 GB / 2 + 1 GB is exactly 3 GB, its experts split, not gathered"),
+    ((2 * GB, 8 * GB, 2 * GB, 8, 8, "pcie", True), "ep+pp+fsdp",
+     "a mixture of experts: 8 GB / 8 + 8 GB / 8 is exactly 2 GB"),
+    ((GB, 12 * GB, GB, 16, 8, "pcie", True), "ep+cp+fsdp",
+     "a mixture of experts: (4 GB + 12 GB) / 16 is exactly 1 GB"),
 ]
 
 

@@ -25,6 +25,7 @@ DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb when it is left unset
 FIRST_BUCKET_BYTES = MiB  # dist._DEFAULT_FIRST_BUCKET_BYTES: the first bucket's, by default
 LINKS = ("nvlink", "pcie")  # between the GPUs of one node: fast, or slow
 METHODS = ("one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp", "cp+tp+fsdp", "cp+fsdp")
+METHODS += tuple("ep+" + method for method in METHODS[2:])  # a mixture of experts
 
 
 # --8<-- [start:bus_bandwidth]
@@ -207,7 +208,7 @@ def bf16_compress(state, bucket):
 
 # --8<-- [start:choose_method]
 def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_gpus: int,
-                  gpus_per_node: int, link: str) -> str:
+                  gpus_per_node: int, link: str, moe: bool = False) -> str:
     """The method of the lesson's decision table, one of ``METHODS``.
 
     ``model_bytes``: the fp32 weights. Training them with AdamW holds 4 times that (weights,
@@ -225,6 +226,11 @@ def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_
        cut across the nodes by context parallelism (lesson 10): ``"cp+tp+fsdp"`` over NVLink
        (tensor parallel inside each node, context parallel across), ``"cp+fsdp"`` over PCIe
        (context parallel over every GPU: its ring's sends can overlap attention).
+
+    ``moe=True``, a mixture of experts (lesson 11): 1 and 2 stay, but in 3 to 5 expert
+    parallelism splits the experts across the GPUs instead of FSDP gathering every expert to
+    every GPU, and the name gets ``"ep+"`` in front (``"ep+fsdp"``, ``"ep+pp+fsdp"``, ...).
+    The bytes per GPU are the same; what moves is each token to its experts.
 
     Nothing fits (or one GPU that is too small): ``ValueError`` saying how many bytes the
     smallest option (5, or 1 on one GPU) needs. Arguments that are not positive,
@@ -244,13 +250,14 @@ def choose_method(model_bytes: int, activation_bytes: int, gpu_memory: int, num_
     if num_gpus == 1:
         raise ValueError(f"one GPU of {gpu_memory} bytes cannot hold {state + activation_bytes}: "
                          f"use more GPUs, a smaller batch or activation checkpointing")
+    experts = "ep+" if moe else ""  # the experts split across the GPUs, not gathered
     if state / num_gpus + activation_bytes <= gpu_memory:
-        return "fsdp"
+        return experts + "fsdp"
     if state / num_gpus + activation_bytes / gpus_per_node <= gpu_memory:
-        return "tp+fsdp" if link == "nvlink" else "pp+fsdp"
+        return experts + ("tp+fsdp" if link == "nvlink" else "pp+fsdp")
     smallest = (state + activation_bytes) / num_gpus
     if smallest <= gpu_memory:
-        return "cp+tp+fsdp" if link == "nvlink" else "cp+fsdp"
+        return experts + ("cp+tp+fsdp" if link == "nvlink" else "cp+fsdp")
     raise ValueError(f"even with the state and the activations split {num_gpus} ways, each GPU "
                      f"needs {smallest:.0f} bytes and has {gpu_memory}: use more GPUs, a smaller "
                      f"batch or activation checkpointing")

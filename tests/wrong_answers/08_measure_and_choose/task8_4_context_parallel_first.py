@@ -5,11 +5,11 @@ TASK = "task8_4"
 EXPECT = r"long sequences: choose_method.*returned 'cp\+tp\+fsdp'; the table says 'tp\+fsdp'"
 REPLACE = {"choose_method": [
     ("    if state / num_gpus + activation_bytes / gpus_per_node <= gpu_memory:\n"
-     "        return \"tp+fsdp\" if link == \"nvlink\" else \"pp+fsdp\"\n"
+     "        return experts + (\"tp+fsdp\" if link == \"nvlink\" else \"pp+fsdp\")\n"
      "    smallest = (state + activation_bytes) / num_gpus\n"
      "    if smallest <= gpu_memory:\n"
-     "        return \"cp+tp+fsdp\" if link == \"nvlink\" else \"cp+fsdp\"\n",
+     "        return experts + (\"cp+tp+fsdp\" if link == \"nvlink\" else \"cp+fsdp\")\n",
      "    smallest = (state + activation_bytes) / num_gpus\n"
      "    if smallest <= gpu_memory:\n"
-     "        return \"cp+tp+fsdp\" if link == \"nvlink\" else \"cp+fsdp\"\n"),
+     "        return experts + (\"cp+tp+fsdp\" if link == \"nvlink\" else \"cp+fsdp\")\n"),
 ]}

@@ -5,7 +5,8 @@ TASK = "task8_4"
 EXPECT = r"long sequences: choose_method.*returned 'fsdp'; the table says 'tp\+fsdp'"
 
 
-def choose_method(model_bytes, activation_bytes, gpu_memory, num_gpus, gpus_per_node, link):
+def choose_method(model_bytes, activation_bytes, gpu_memory, num_gpus, gpus_per_node, link,
+                  moe=False):
     if link not in ("nvlink", "pcie") or min(model_bytes, gpu_memory, num_gpus) <= 0:
         raise ValueError("bad arguments")
     if num_gpus % gpus_per_node:

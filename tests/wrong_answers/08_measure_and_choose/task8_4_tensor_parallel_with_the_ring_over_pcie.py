@@ -5,6 +5,6 @@ between the layers."""
 TASK = "task8_4"
 EXPECT = r"over PCIe: choose_method.*returned 'cp\+tp\+fsdp'; the table says 'cp\+fsdp'"
 REPLACE = {"choose_method": [
-    ("        return \"cp+tp+fsdp\" if link == \"nvlink\" else \"cp+fsdp\"\n",
-     "        return \"cp+tp+fsdp\"\n"),
+    ("        return experts + (\"cp+tp+fsdp\" if link == \"nvlink\" else \"cp+fsdp\")\n",
+     "        return experts + \"cp+tp+fsdp\"\n"),
 ]}
