@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -171,6 +172,41 @@ def expert_parallel(layer: MoE, x, group=None):
     out = expert_parallel_forward(tokens, experts, weights, kept, block, layer.num_experts, group)
     _, per_expert = dispatch_plan(experts, kept, layer.num_experts, world)  # for the report
     return out.view_as(x), aux, per_expert
+
+
+class ExpertParallelMLP(nn.Module):
+    """A block's MLP as a mixture of experts, of which this process keeps its block: ``layer``'s
+    router, and experts ``r E/ep`` to ``(r + 1) E/ep - 1`` for its place r in ``group``."""
+
+    def __init__(self, layer: MoE, group):
+        super().__init__()
+        self.layer, self.group = layer, group
+        mine = layer.num_experts // dist.get_world_size(group)
+        first = dist.get_rank(group) * mine
+        layer.experts = layer.experts[first:first + mine]  # the others are freed
+        self.aux = self.load = None  # the last forward's balancing loss, and tokens per expert
+
+    def forward(self, x):
+        tokens, experts, weights, kept, self.aux = self.layer.gate(x)
+        # what this process's tokens asked of each expert, dropped included (moe_costs.py)
+        self.load = torch.bincount(experts.flatten(), minlength=self.layer.num_experts)
+        return expert_parallel_forward(tokens, experts, weights, kept, self.layer.experts,
+                                       self.layer.num_experts, self.group).view_as(x)
+
+
+def whole_state(model, group) -> dict:
+    """The state dict of one process holding every expert, gathered over ``group`` (collective)."""
+    mine = [None] * dist.get_world_size(group)
+    dist.all_gather_object(mine, {k: v.cpu() for k, v in model.state_dict().items()}, group=group)
+    whole = {}
+    for place, state in enumerate(mine):
+        for key, value in state.items():
+            found = re.search(r"\.experts\.(\d+)\.", key)
+            if found:  # numbered from 0 on each process: renumber as in one process
+                number = place * len(model.blocks[0].mlp.layer.experts) + int(found[1])
+                key = key.replace(found[0], f".experts.{number}.")
+            whole[key] = value
+    return whole
 
 
 def check(args, rank: int, world: int, device: torch.device) -> dict:

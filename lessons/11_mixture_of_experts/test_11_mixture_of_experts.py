@@ -13,23 +13,29 @@ gloo/CPU ranks (and on nccl where GPUs are present):
   are never touched; for 1, 2 and 4 ranks, top-1 and top-2, with and without a capacity, and
   when some expert gets no token;
 - a step sends exactly: the counts (E numbers), this rank's kept rows there and the rows it
-  received back in the forward, and the same two the other way in the backward.
+  received back in the forward, and the same two the other way in the backward;
+- train_ep.py, expert parallel x data parallel: after a step every gradient a rank holds is the
+  one-process gradient of the mean of the ranks' losses (capacity and auxiliary loss included),
+  and its fit trains what one process trains on the global batch.
 
-Each task's tests are in its own file, test_11_1_route.py to test_11_4_expert_parallel.py
+Each task's tests are in its own file, test_11_1_route.py to test_11_5_sync_gradients.py
 (what they share is in common.py and conftest.py); this file checks the lesson's claims and its
-script, moe.py:
+scripts, moe.py and train_ep.py:
 
     pytest lessons/11_mixture_of_experts/test_11_mixture_of_experts.py
 """
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
+from gpt import GPT, CharDataset, GPTConfig, run
 
 from harness.collectives import CollectiveLog
-from harness.compare import assert_close
+from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_lesson_module
 from harness.ranks import run_on_ranks
 from lesson11.common import GROUPS, LESSON, TIGHT, loop_route, seeded
@@ -204,7 +210,7 @@ def torch_a2a_run(ctx, sizes) -> dict:
     return found
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 4])
 def test_torchs_differentiable_all_to_all_agrees(world):
     sizes = [[(s + 2 * d) % 3 for d in range(world)] for s in range(world)]
     for rank, found in enumerate(run_on_ranks(torch_a2a_run, sizes, world_size=world)):
@@ -212,3 +218,141 @@ def test_torchs_differentiable_all_to_all_agrees(world):
                                    strict=True):
             assert_close(got, want, f"rank {rank}: AllToAll's {what} against torch's "
                          f"_functional_collectives.all_to_all_single_autograd", **TIGHT)
+
+
+# ------------------------------------------------------------ train_ep.py: the running example
+
+# AdamW over a few steps, another summation order (as lessons 03 and 10).
+SAME_STEPS = {"rtol": 1e-3, "atol": 2e-4}
+
+
+def train_ep_module():
+    """train_ep.py as torchrun runs it, beside moe.py, which it imports by name."""
+    sys.modules.setdefault("moe", moe_module())
+    return load_lesson_module(LESSON, "train_ep")
+
+
+class OneProcess(torch.nn.Module):
+    """The oracle's MLP: moe.py's MoE layer with every expert, its loop over experts."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.aux = layer, None
+
+    def forward(self, x):
+        out, self.aux = self.layer(x)
+        return out
+
+
+def one_process_gradients(world: int, batch: int = 4, aux_weight: float = 0.01) -> dict:
+    """The oracle, in this process: the running example with moe.py's MoE layer (every expert,
+    its loop over experts) as each block's MLP runs each rank's batch on its own (capacity
+    factor 1.25 and the auxiliary loss are per batch) and averages the W losses."""
+    dataset = CharDataset(16)
+    config = GPTConfig.named("tiny", vocab_size=dataset.vocab_size, block_size=16)
+    inputs, targets = (torch.stack(t) for t in zip(*(dataset[i] for i in range(batch * world)),
+                                                   strict=True))
+    alone = GPT(config, seed=0)
+    for i, block in enumerate(alone.blocks):
+        block.mlp = OneProcess(moe_module().MoE(config.n_embd, 4, 2, 1.25, seed=1 + i))
+    total = 0.0
+    for source in range(world):
+        theirs = slice(source * batch, (source + 1) * batch)
+        _, loss = run.next_char_loss(alone, inputs[theirs], targets[theirs])
+        total = total + loss + aux_weight * sum(b.mlp.aux for b in alone.blocks)
+    (total / world).backward()
+    return {n: p.grad for n, p in alone.named_parameters()}
+
+
+def ep_gradients_on_rank(ctx, ep: int, batch: int = 4, aux_weight: float = 0.01) -> dict:
+    """One step of train_ep.py's model on this rank's own batch, as its loop takes it:
+    backward of the loss and the auxiliary loss, then its sync_gradients over a dp x ep mesh.
+    Returns the gradients, the experts named by their number in one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    script = train_ep_module()
+    dataset = CharDataset(16)
+    config = GPTConfig.named("tiny", vocab_size=dataset.vocab_size, block_size=16)
+    mine = [dataset[i] for i in range(ctx.rank * batch, (ctx.rank + 1) * batch)]
+    inputs, targets = (torch.stack(t) for t in zip(*mine, strict=True))
+    mesh = init_device_mesh("cpu", (ctx.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+    model = script.moe_gpt(config, 0, 4, 2, 1.25, mesh.get_group("ep"))
+    _, loss = run.next_char_loss(model, inputs, targets)
+    (loss + aux_weight * sum(b.mlp.aux for b in model.blocks)).backward()
+    named = list(model.named_parameters())
+    copies = mesh.get_group("dp") if ctx.world_size > ep else None
+    script.sync_gradients([p for n, p in named if ".experts." not in n],
+                          [p for n, p in named if ".experts." in n], copies)
+    first = mesh.get_local_rank("ep") * (4 // ep)  # this rank's experts, numbered as in one
+    grads = {"loads": [block.mlp.load.tolist() for block in model.blocks]}
+    for name, parameter in named:
+        if ".experts." in name:
+            local = int(name.split(".experts.")[1].split(".")[0])
+            name = name.replace(f".experts.{local}.", f".experts.{first + local}.")
+        grads[name] = parameter.grad
+    return grads
+
+
+@pytest.mark.parametrize("world, ep", [(2, 2), (2, 1), (4, 2), (4, 4)],
+                         ids=["ep2", "dp2", "dp2xep2", "ep4"])
+def test_train_ep_steps_give_the_gradients_of_one_process(world, ep):
+    """train_ep.py's model and gradient sync: after one step every rank's gradient of every
+    parameter it holds (the experts it keeps, and all the rest) is the gradient of the mean of
+    the ranks' losses in one process, the capacity and the load-balancing loss included."""
+    want = one_process_gradients(world)
+    for rank, got in enumerate(run_on_ranks(ep_gradients_on_rank, ep, world_size=world)):
+        for loads in got.pop("loads"):  # what moe_costs.py counts: every assignment, dropped too
+            assert len(loads) == 4 and sum(loads) == 4 * 16 * 2, (rank, loads)
+        for name, gradient in got.items():
+            assert_close(gradient, want[name], f"the gradient of {name}, dp {world // ep} x ep "
+                         f"{ep} vs one process", rank, rtol=1e-4, atol=1e-6)
+        held = sum(".experts." in name for name in got)
+        # 4 blocks x 4 experts x 4 tensors (two layers' weights and biases), split ep ways
+        assert held == 4 * 4 * 4 // ep, f"rank {rank} holds {held} expert tensors, not 1/{ep}"
+
+
+def ep_fit_on_rank(ctx, batch_size: int) -> dict:
+    """train_ep.py's fit, one epoch of 64 windows, every process in one expert-parallel row,
+    nothing dropped and no auxiliary loss; on one rank, every expert in one process."""
+    whole, result = train_ep_module().fit(ctx.device, epochs=1, batch_size=batch_size,
+                                          train_windows=64, ep=ctx.world_size,
+                                          capacity_factor=None, aux_weight=0.0,
+                                          log=lambda *args, **kwargs: None)
+    return {"state": whole, "result": result}
+
+
+def test_train_ep_trains_what_one_process_trains():
+    """train_ep.py's fit on 2 ranks, ep 2 with 8 windows a rank, nothing dropped and no
+    auxiliary loss: the losses and every parameter (every expert, gathered) of one process
+    with every expert on batches of 16; the same text sampled before and after training."""
+    reference = run_on_ranks(ep_fit_on_rank, 16, world_size=1, timeout=120)[0]
+    split = run_on_ranks(ep_fit_on_rank, 8, world_size=2, timeout=120)[0]
+    data = split["result"]
+    assert (data["world_size"], data["dp"], data["ep"]) == (2, 1, 2), data
+    for key in ("train_loss", "val_loss", "val_accuracy"):
+        assert_close(torch.tensor(data[key]), torch.tensor(reference["result"][key]),
+                     f"ep 2 vs one process x 16: {key} per epoch", **SAME_STEPS)
+    assert sorted(split["state"]) == sorted(reference["state"]), "the gathered state's names"
+    assert_parameters_close(split["state"], reference["state"], what="trained parameter, ep 2 "
+                            "vs one process", **SAME_STEPS)
+    for key in ("sample_before", "sample_after"):
+        assert data[key] == reference["result"][key], (key, data[key])
+
+
+@pytest.mark.parametrize("argv, env, said", [
+    (["--ep", "2"], {}, "--ep 2: ep must divide the processes (1)"),
+    (["--experts", "6"], {"WORLD_SIZE": "4"}, "--ep 4 (the default: every process): ep must "
+     "divide the processes (4) and --experts (6)"),
+    (["--k", "5"], {}, "--k 5: a token chooses 1 to --experts (4) experts"),
+    (["--capacity-factor", "-1"], {}, "--capacity-factor -1: 0 (no limit) or more"),
+])
+def test_train_ep_refuses_a_degree_that_does_not_fit(outside_launcher, monkeypatch, capsys,
+                                                     argv, env, said):
+    """Before any process group: the degree divides the processes and the experts, k is 1 to
+    the experts, and a capacity factor is not negative."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert train_ep_module().main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"train_ep.py: error: {said}" in err, err
+    assert not dist.is_initialized()

@@ -147,3 +147,25 @@ assert run.returncode == 0, run.stderr
 # The output, the gradients of the input and the router, and each expert's gradient on the
 # rank that holds it equal the layer in one process. The exercises build each piece: the
 # routing, the plan, the two exchanges and the layer built from them.
+
+# %% [markdown]
+# ## 5. Which ranks average which gradient
+#
+# `train_ep.py` runs 4 ranks as dp 2 × ep 2: ranks 0 and 1 form one expert-parallel row, 2 and 3
+# another, and ranks 0 and 2 hold copies of experts 0 and 1. Take a one-number expert, y = w x,
+# and give every rank's token to expert 0: each rank's loss is w x_r, and the loss trained is
+# their mean, whose gradient is the mean of the four x. After the backward, the copy on rank 0
+# holds the gradient of row 0's tokens (x_0 + x_1), the copy on rank 2 that of row 1's.
+
+# %%
+x = torch.tensor([1.0, 2.0, 3.0, 4.0])  # each rank's token
+want = x.mean()  # the gradient of the mean of the four losses
+on_copy = {0: x[0] + x[1], 2: x[2] + x[3]}  # what each copy's backward leaves
+print("sum over the copies / W:      ", ((on_copy[0] + on_copy[2]) / 4).item())
+print("mean over the copies (DDP's): ", ((on_copy[0] + on_copy[2]) / 2).item())
+print("the gradient of the mean loss:", want.item())
+
+# %% [markdown]
+# Averaging the copies, as DDP would, counts every token twice here (ep times in general). Task
+# 11_5 writes the rule for every parameter; the lesson's test checks `train_ep.py` against one
+# process, capacity and auxiliary loss included.

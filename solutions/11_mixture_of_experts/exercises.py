@@ -1,6 +1,7 @@
 """Lesson 11 exercises: mixture of experts. The router's top-k choice with a capacity per expert,
 the plan that groups a rank's tokens by the rank holding their expert, the all-to-all that
-carries them there and their gradients back, and the expert-parallel layer built from them.
+carries them there and their gradients back, the expert-parallel layer built from them, and
+which ranks average which gradient when the experts are data parallel too.
 
 Grade with ``pytest lessons/11_mixture_of_experts`` (one task: ``-m task11_1``). Each function's
 docstring is its contract: what it takes, what it returns, and what the test checks.
@@ -189,3 +190,36 @@ def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights
     slots = returned.new_zeros(experts.numel(), returned.shape[-1]).index_copy(0, order, returned)
     return (slots.view(*experts.shape, returned.shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
 # --8<-- [end:expert_parallel_forward]
+
+
+# --8<-- [start:sync_gradients]
+def sync_gradients(replicated, experts, copies=None, group=None) -> None:
+    """Expert parallel x data parallel: after each rank's backward of the loss of its own batch,
+    make every gradient that of the mean of the W ranks' losses (W: the ranks of ``group``;
+    None: every rank).
+
+    - ``replicated``: parameters that every rank of ``group`` holds a copy of (attention,
+      embeddings, the router). Their gradient becomes the **mean over** ``group``.
+    - ``experts``: parameters of this rank's own experts. A rank's expert has already summed
+      the gradients of the tokens that every rank of its expert-parallel group sent it.
+      ``copies``: a subgroup of ``group``, the ranks that hold a copy of this rank's experts,
+      this rank included (one in each expert-parallel group); None: no other rank holds them.
+      Their gradient becomes the **sum over** ``copies`` **divided by W**, not by the number of
+      copies: each copy has seen only its own expert-parallel group's tokens.
+
+    Each ``.grad`` is changed in place (the optimizer reads it next). Every rank of ``group``
+    calls this with its parameters in the same order, each with a gradient, and returns None.
+
+    The test generates every rank's gradients from seeds and compares each rank's result with
+    that rule worked out by hand, on 1, 2 and 4 ranks: pure expert parallel (``copies`` None),
+    pure data parallel (every rank a copy), 2 x 2, and two groups side by side.
+    """
+    world = dist.get_world_size(group)
+    for parameter in replicated:
+        dist.all_reduce(parameter.grad, group=group)
+        parameter.grad.div_(world)
+    for parameter in experts:
+        if copies is not None:
+            dist.all_reduce(parameter.grad, group=copies)
+        parameter.grad.div_(world)
+# --8<-- [end:sync_gradients]

@@ -188,8 +188,16 @@ COURSE: tuple[Lesson, ...] = (
                    max_changed=80))),
     Lesson("11_mixture_of_experts", "Mixture of experts: expert parallel",
            {"task11_1": "route", "task11_2": "dispatch_plan",
-            "task11_3": "exchange_counts, AllToAll", "task11_4": "expert_parallel_forward"},
-           (Script("moe.py", "torchrun", 2, ("--tokens", "16", "--width", "8")),)),
+            "task11_3": "exchange_counts, AllToAll", "task11_4": "expert_parallel_forward",
+            "task11_5": "sync_gradients"},
+           (Script("moe.py", "torchrun", 2, ("--tokens", "16", "--width", "8")),
+            Script("moe_costs.py", "torchrun", 2, ("--steps", "2", "--tokens", "64")),
+            # 85 changed: the dp x ep mesh and the model whose blocks keep their share of the
+            # experts, the gradient sync that replaces DDP (task11_5's copy), the auxiliary loss,
+            # the checkpoint gathered over a row, the flags of the degree and the experts and
+            # their check.
+            Script("train_ep.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py",
+                   max_changed=85))),
 )
 
 
