@@ -119,6 +119,29 @@ def test_default_process_group_timeouts():
         assert nccl == timedelta(minutes=10)
 
 
+def group_timeouts_on_rank(ctx) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def timeout(group):
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    rows, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]], timeout=timedelta(seconds=60))
+    return {"default": timeout(dist.group.WORLD), "mesh": [timeout(mesh.get_group(name))
+                                                           for name in ("dp", "ep")],
+            "enumerated": timeout(rows)}
+
+
+def test_a_device_mesh_subgroup_on_gloo_waits_30_minutes_whatever_the_default_group():
+    """11 README: "`init_device_mesh` would make the same groups, but it passes them no
+    timeout, and a gloo group without one waits 30 minutes" (so moe.py's expert_groups makes
+    them with dist.new_subgroups_by_enumeration and the course's timeout)."""
+    found = run_on_ranks(group_timeouts_on_rank, world_size=4, pg_timeout=60)[0]
+    assert found["default"] == timedelta(seconds=60), found
+    assert found["mesh"] == [timedelta(minutes=30)] * 2, found
+    assert found["enumerated"] == timedelta(seconds=60), found
+
+
 def test_dataparallel_checks_the_device_at_forward_not_when_wrapping():
     """01 README, the forum question: "it checks this at the first forward, not when it wraps
     the model ... `nn.DataParallel(model).to('cuda')` works"."""

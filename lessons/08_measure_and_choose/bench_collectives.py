@@ -81,7 +81,7 @@ def _call(op: str, payload: torch.Tensor, piece: torch.Tensor) -> None:
     elif op == "reduce_scatter":
         reduce_scatter_single(piece, payload)
     elif op == "all_to_all":  # not a row of this benchmark: lesson 11 times its exchanges here
-        dist.all_to_all_single(torch.empty_like(payload), payload)
+        dist.all_to_all_single(piece, payload)  # piece: as large as payload for this op
     else:
         dist.broadcast(payload, src=0)
 
@@ -102,7 +102,8 @@ def time_collective(op: str, num_bytes: int, device: torch.device, iters: int = 
     numel = max(world, num_bytes // torch.tensor([], dtype=dtype).element_size())
     numel -= numel % world  # a payload that splits evenly into the ranks' pieces
     payload = torch.ones(numel, dtype=dtype, device=device)
-    piece = torch.ones(numel // world, dtype=dtype, device=device)
+    piece = torch.ones(numel if op == "all_to_all" else numel // world, dtype=dtype,
+                       device=device)
     for _ in range(warmup):
         _call(op, payload, piece)
     loops = []

@@ -194,6 +194,18 @@ class ExpertParallelMLP(nn.Module):
                                        self.layer.num_experts, self.group).view_as(x)
 
 
+def expert_groups(world_size: int, ep: int):
+    """This process's row of a dp x ep layout (ep consecutive ranks: every expert once, the
+    all-to-alls) and its column (the ranks that hold copies of its experts), as groups whose
+    waits time out as the course's default group's do (a DeviceMesh's subgroups on gloo would
+    wait 30 minutes)."""
+    rows = [list(range(first, first + ep)) for first in range(0, world_size, ep)]
+    columns = [list(range(first, world_size, ep)) for first in range(ep)]
+    row, _ = dist.new_subgroups_by_enumeration(rows, timeout=run.TIMEOUT)
+    column, _ = dist.new_subgroups_by_enumeration(columns, timeout=run.TIMEOUT)
+    return row, column
+
+
 def whole_state(model, group) -> dict:
     """The state dict of one process holding every expert, gathered over ``group`` (collective)."""
     mine = [None] * dist.get_world_size(group)

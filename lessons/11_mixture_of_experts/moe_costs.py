@@ -22,7 +22,6 @@ receives the most rows and computes longest.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -60,11 +59,10 @@ def exchange_costs(args, world: int, device: torch.device, log) -> dict:
         rows.append({"tokens": tokens, "bytes": n, "seconds": measured, "predicted": predicted})
         log(f"{tokens:>6} {n:>10,} {measured * 1e6:>14.1f} {predicted * 1e6:>15.1f}")
     result = {"alpha": alpha, "beta": beta, "all_to_all": rows}
-    if len(rows) >= 2:  # the same model fitted to the all-to-alls themselves
-        line = statistics.linear_regression([r["bytes"] for r in rows],
-                                            [r["seconds"] for r in rows])
-        result["all_to_all_alpha"] = line.intercept / (world - 1)
-        result["all_to_all_beta"] = line.slope * world / (world - 1)
+    if len(rows) >= 2:  # the same model fitted to the all-to-alls themselves, as lesson 08
+        # fits (weighted by 1 / t**2); its all-reduce terms are twice the all-to-all's
+        a, b = fit_alpha_beta([r["bytes"] for r in rows], [r["seconds"] for r in rows], world)
+        result["all_to_all_alpha"], result["all_to_all_beta"] = 2 * a, 2 * b
         log(f"fitted to these all-to-alls instead: alpha {result['all_to_all_alpha'] * 1e6:.1f} "
             f"us, 1/beta {1 / result['all_to_all_beta'] / 1e9:.2f} GB/s")
     return result
@@ -120,7 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=lambda s: [run.positive_int(t) for t in s.split(",")],
                         default=[64, 256, 1024, 4096], help="tokens a rank, comma-separated")
-    parser.add_argument("--width", type=run.positive_int, default=32)
+    parser.add_argument("--width", type=run.positive_int, default=32,
+                        help="of the timed dispatch only (the trained model's is tiny's, 32)")
     parser.add_argument("--experts", type=run.positive_int, default=4)
     parser.add_argument("--k", type=run.positive_int, default=2, help="experts per token")
     parser.add_argument("--steps", type=run.positive_int, default=200)
@@ -137,10 +136,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     rank, world, device = start(args.backend)
-    if world < 2 or args.experts % world or not 1 <= args.k <= args.experts:
+    share = -(-len(run.windows("tiny")[1]) // world)  # a rank's training windows
+    if (world < 2 or args.experts % world or not 1 <= args.k <= args.experts
+            or args.batch_size > share):  # (no full batch: the training loop would never end)
         dist.destroy_process_group()
         return run.refuse(__file__, f"{world} ranks: start 2 or more with torchrun, --experts "
-                                    f"({args.experts}) a multiple of them, --k 1 to --experts")
+                                    f"({args.experts}) a multiple of them, --k 1 to --experts, "
+                                    f"--batch-size at most a rank's {share} windows")
     log = run.rank_zero_log(rank)
     result = exchange_costs(args, world, device, log)
     curves = {f"aux weight {w:g}": busiest_over_mean(args, w, device)

@@ -54,11 +54,14 @@ CASES = 5  # generated parameter lists per layout
 
 
 def shapes(case: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """The replicated parameters' shapes and the experts' (the same on every rank): 0 to 3 of
-    each, of 1 or 2 dimensions."""
+    """The replicated parameters' shapes and the experts' (the same on every rank): case 0 has
+    three of each, of three shapes, so that every parameter must be synchronised, in its order;
+    the others 0 to 3 of each, of 1 or 2 dimensions."""
+    if case == 0:
+        return [(3,), (2, 4), (1,)], [(4, 2), (5,), (2, 2)]
     g = torch.Generator().manual_seed(1000 + case)
     def some() -> list[tuple[int, ...]]:
-        count = int(torch.randint(0 if case else 1, 4, (), generator=g))
+        count = int(torch.randint(0, 4, (), generator=g))
         return [tuple(int(n) for n in torch.randint(1, 5, (int(torch.randint(1, 3, (),
                 generator=g)),), generator=g)) for _ in range(count)]
     return some(), some()
@@ -88,14 +91,17 @@ def sync_run(ctx, layout: str) -> list[dict]:
                 parameter.grad = gradient(case, ctx.rank, kind, index, shape)
                 made[kind].append(parameter)
         grads = [p.grad for kind in made.values() for p in kind]
+        pointers = [g.data_ptr() for g in grads]
         arguments = {} if copies is None else {"copies": copies}
         if group is not None:
             arguments["group"] = group
         returned = ex.sync_gradients(made["replicated"], made["experts"], **arguments)
         found.append({"replicated": [p.grad.clone() for p in made["replicated"]],
                       "experts": [p.grad.clone() for p in made["experts"]],
-                      "in_place": all(p.grad is g for p, g in zip(
-                          [p for kind in made.values() for p in kind], grads, strict=True)),
+                      "in_place": all(p.grad is g and p.grad.data_ptr() == pointer
+                                      for p, g, pointer in zip(
+                                          [p for kind in made.values() for p in kind], grads,
+                                          pointers, strict=True)),
                       "returned": repr(returned)[:80]})
     return found
 
@@ -124,7 +130,7 @@ def test_replicated_gradients_become_the_mean_over_the_group(ex, layout):
     raise_if_untouched(ex.sync_gradients)
     world = LAYOUTS[layout][0]
     for rank, cases in enumerate(results(layout)):
-        group, _ = members_of(layout, rank)
+        group, copies = members_of(layout, rank)
         for case, found in enumerate(cases):
             for index, (got, shape) in enumerate(zip(found["replicated"], shapes(case)[0],
                                                      strict=True)):
@@ -135,6 +141,8 @@ def test_replicated_gradients_become_the_mean_over_the_group(ex, layout):
                     continue
                 hint = name_the_rule(got, {
                     "the sum over the group, not the mean": total,
+                    "the mean over the copies, not the group": (
+                        sum(every[r] for r in copies) / len(copies)),
                     "this rank's own gradient, untouched": every[rank],
                     "the mean over every rank, not over group": sum(every.values()) / world,
                     "the sum over the group divided by every rank's count": total / world,
@@ -183,7 +191,8 @@ def test_gradients_change_in_place(ex, layout):
     for rank, cases in enumerate(results(layout)):
         for case, found in enumerate(cases):
             assert found["in_place"], (
-                f"{layout}, rank {rank}, case {case}: a parameter's .grad is another tensor after "
-                f"sync_gradients; change each gradient in place (all_reduce and div_ do)")
+                f"{layout}, rank {rank}, case {case}: a parameter's .grad is another tensor, or "
+                f"its memory another, after sync_gradients; change each gradient in place "
+                f"(all_reduce and div_ do)")
             assert found["returned"] == "None", (
                 f"{layout}, rank {rank}: sync_gradients returned {found['returned']}, not None")

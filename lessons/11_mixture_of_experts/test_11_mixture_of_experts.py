@@ -266,25 +266,25 @@ def one_process_gradients(world: int, batch: int = 4, aux_weight: float = 0.01) 
 
 def ep_gradients_on_rank(ctx, ep: int, batch: int = 4, aux_weight: float = 0.01) -> dict:
     """One step of train_ep.py's model on this rank's own batch, as its loop takes it:
-    backward of the loss and the auxiliary loss, then its sync_gradients over a dp x ep mesh.
-    Returns the gradients, the experts named by their number in one process."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    backward of the loss and the auxiliary loss, then its sync_gradients over dp rows x ep
+    columns. Returns the gradients, the experts named by their number in one process, the loads,
+    and the names whole_state gathers."""
     script = train_ep_module()
     dataset = CharDataset(16)
     config = GPTConfig.named("tiny", vocab_size=dataset.vocab_size, block_size=16)
     mine = [dataset[i] for i in range(ctx.rank * batch, (ctx.rank + 1) * batch)]
     inputs, targets = (torch.stack(t) for t in zip(*mine, strict=True))
-    mesh = init_device_mesh("cpu", (ctx.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
-    model = script.moe_gpt(config, 0, 4, 2, 1.25, mesh.get_group("ep"))
+    row, column = moe_module().expert_groups(ctx.world_size, ep)
+    model = script.moe_gpt(config, 0, 4, 2, 1.25, row)
     _, loss = run.next_char_loss(model, inputs, targets)
     (loss + aux_weight * sum(b.mlp.aux for b in model.blocks)).backward()
     named = list(model.named_parameters())
-    copies = mesh.get_group("dp") if ctx.world_size > ep else None
+    copies = column if ctx.world_size > ep else None
     script.sync_gradients([p for n, p in named if ".experts." not in n],
                           [p for n, p in named if ".experts." in n], copies)
-    first = mesh.get_local_rank("ep") * (4 // ep)  # this rank's experts, numbered as in one
-    grads = {"loads": [block.mlp.load.tolist() for block in model.blocks]}
+    first = ctx.rank % ep * (4 // ep)  # this rank's experts, numbered as in one process
+    grads = {"loads": [block.mlp.load.tolist() for block in model.blocks],
+             "whole": sorted(script.whole_state(model, row))}
     for name, parameter in named:
         if ".experts." in name:
             local = int(name.split(".experts.")[1].split(".")[0])
@@ -303,6 +303,8 @@ def test_train_ep_steps_give_the_gradients_of_one_process(world, ep):
     for rank, got in enumerate(run_on_ranks(ep_gradients_on_rank, ep, world_size=world)):
         for loads in got.pop("loads"):  # what moe_costs.py counts: every assignment, dropped too
             assert len(loads) == 4 and sum(loads) == 4 * 16 * 2, (rank, loads)
+        whole = got.pop("whole")  # the checkpoint's names: every expert, numbered as in one
+        assert whole == sorted(want), f"rank {rank}: whole_state's names {whole}"
         for name, gradient in got.items():
             assert_close(gradient, want[name], f"the gradient of {name}, dp {world // ep} x ep "
                          f"{ep} vs one process", rank, rtol=1e-4, atol=1e-6)

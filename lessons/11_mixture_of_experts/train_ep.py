@@ -21,13 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
 # gpt: the running example (model, data); gpt.run: the plumbing every step shares
 from gpt import GPT, GPTConfig, run  # noqa: E402
-from moe import ExpertParallelMLP, MoE, whole_state  # noqa: E402 - this lesson's layer
+from moe import ExpertParallelMLP, MoE, expert_groups, whole_state  # noqa: E402 - this lesson's
 
 
 def moe_gpt(config: GPTConfig, seed: int, experts: int, k: int, capacity_factor, group) -> GPT:
@@ -107,15 +106,15 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
 
     world_size = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+    row, column = expert_groups(world_size, ep)  # dp rows x ep columns
     # Built on the CPU from its own seeded generator, then moved: the same start on any device.
     config = GPTConfig.named(size, vocab_size=dataset.vocab_size)
-    model = moe_gpt(config, seed, experts, k, capacity_factor, mesh.get_group("ep")).to(device)
+    model = moe_gpt(config, seed, experts, k, capacity_factor, row).to(device)
     # Created after the move, so the optimizer's state is allocated on the device as well.
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     own = [p for name, p in model.named_parameters() if ".experts." in name]
     held = [p for name, p in model.named_parameters() if ".experts." not in name]
-    copies = mesh.get_group("dp") if world_size > ep else None  # this column: my experts
+    copies = column if world_size > ep else None  # the copies of my experts
     sync = functools.partial(sync_gradients, held, own, copies)
     # The compiled module shares its parameters with `model`; we keep `model` for saving.
     step_model = torch.compile(model) if compile else model
@@ -136,7 +135,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
                                          aux_weight, sync)
         val_loss, val_accuracy = run.evaluate(step_model, val_loader, device, amp)
         run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds)
-    whole = whole_state(model, mesh.get_group("ep"))  # every expert, numbered as in one
+    whole = whole_state(model, row)  # every expert, numbered as in one process
     return whole, run.finish_result(result, log, model, dataset, device, weights=whole)
 
 
