@@ -288,3 +288,41 @@ def test_the_parameter_counts_lesson_07_quotes(tiny):
     count = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
     assert count(model.tok_emb, model.pos_emb) == 2976
     assert count(model.blocks[0]) == 12704
+
+
+def meshes_on_rank(ctx, shape, names) -> dict:
+    """run.device_mesh next to init_device_mesh: the ranks of each group and the timeouts."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from gpt import run
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def seen(mesh):
+        return {"mesh": mesh.mesh.tolist(),
+                "groups": [dist.get_process_group_ranks(mesh.get_group(n)) for n in names],
+                "local": [mesh.get_local_rank(n) for n in names],
+                "coordinate": mesh.get_coordinate(),
+                "timeouts": [mesh.get_group(n)._get_backend(torch.device("cpu")).options._timeout
+                             for n in names]}
+
+    ours, torchs = seen(run.device_mesh("cpu", shape, names)), seen(
+        init_device_mesh("cpu", shape, mesh_dim_names=names))
+    assert ours["timeouts"] == [run.TIMEOUT] * len(names) != [timedelta(minutes=30)], ours
+    sliced = run.device_mesh("cpu", shape, names)[names[-1]]  # slicing works as torch's does
+    return {"ours": {**ours, "timeouts": None}, "torch": {**torchs, "timeouts": None},
+            "sliced": dist.get_process_group_ranks(sliced.get_group())}
+
+
+@pytest.mark.parametrize("shape,names", [((4,), ("dp",)), ((2, 2), ("dp", "tp")),
+                                         ((1, 4), ("dp", "cp")), ((4, 1), ("dp", "ep")),
+                                         ((1, 2, 2), ("pp", "dp", "tp"))], ids=str)
+def test_device_mesh_is_init_device_mesh_with_the_course_timeout(shape, names):
+    """gpt.run.device_mesh places every rank and builds every group as init_device_mesh does,
+    and each of its groups waits at most run.TIMEOUT (init_device_mesh's wait 30 minutes)."""
+    from harness.ranks import run_on_ranks
+
+    for rank, found in enumerate(run_on_ranks(meshes_on_rank, shape, names,
+                                              world_size=4, pg_timeout=60)):
+        assert found["ours"] == found["torch"], (rank, found)
+        assert found["sliced"] == found["torch"]["groups"][-1], (rank, found)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpt import run
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
@@ -55,7 +56,7 @@ def two_d_run(ctx, steps: int):
     step, and where block 0's weights live."""
     ex = load_exercise(LESSON)
     with full_fp32():  # compared with a CPU run: no TF32
-        mesh = init_device_mesh(ctx.device.type, MESH_2D, mesh_dim_names=("dp", "tp"))
+        mesh = run.device_mesh(ctx.device.type, MESH_2D, ("dp", "tp"))  # 60 s waits
         try:
             model = ex.parallelize_2d(make_gpt().to(ctx.device), mesh)
         except (NotImplementedError, AssertionError):

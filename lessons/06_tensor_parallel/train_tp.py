@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
@@ -100,7 +99,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     dataset, train_set, val_set = run.windows(size, train_windows)
     world_size = dist.get_world_size()
     check_tp(tp, world_size, size)
-    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = run.device_mesh(device.type, (world_size // tp, tp), ("dp", "tp"))
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device, mesh)
 
     # Built on the CPU from its own seeded generator, then moved: the same start on any device.

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
@@ -43,8 +42,8 @@ def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.d
     pin = device.type == "cuda"
     # Each dp row takes its 1/dp of the indices; the cp ranks of a row take the same ones, and
     # each keeps its own positions of them.
-    sampler = DistributedSampler(train_set, num_replicas=mesh["dp"].size(),
-                                 rank=mesh["dp"].get_local_rank(), shuffle=True, seed=seed)
+    sampler = DistributedSampler(train_set, num_replicas=mesh.shape[0],
+                                 rank=mesh.get_local_rank("dp"), shuffle=True, seed=seed)
     train_loader = DataLoader(train_set, batch_size, sampler=sampler, pin_memory=pin,
                               collate_fn=keep(positions))
     val_loader = DataLoader(val_set, batch_size=batch_size, shuffle=False, pin_memory=pin,
@@ -106,8 +105,8 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     dataset, train_set, val_set = run.windows(size, train_windows)
     world_size = dist.get_world_size()
     check_cp(cp, world_size, size)
-    mesh = init_device_mesh(device.type, (world_size // cp, cp), mesh_dim_names=("dp", "cp"))
-    positions = zigzag_split(torch.arange(dataset.block_size), cp, 0)[mesh["cp"].get_local_rank()]
+    mesh = run.device_mesh(device.type, (world_size // cp, cp), ("dp", "cp"))
+    positions = zigzag_split(torch.arange(dataset.block_size), cp, 0)[mesh.get_local_rank("cp")]
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device, mesh,
                                             positions)
 
@@ -126,13 +125,13 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, compile=compile, cp=cp, dp=world_size // cp)
     for epoch in range(1, epochs + 1):
-        with run.timed(device) as timer, ring_in_blocks(model, positions, mesh["cp"].get_group()):
+        with run.timed(device) as timer, ring_in_blocks(model, positions, mesh.get_group("cp")):
             train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
             train_loss = train_one_epoch(step_model, train_loader, optimizer, device, positions)
-        with ring_in_blocks(model, positions, mesh["cp"].get_group()):
+        with ring_in_blocks(model, positions, mesh.get_group("cp")):
             scores = run.evaluate(step_model, val_loader, device, None, positions)
         scores = torch.tensor(scores, device=device)
-        dist.all_reduce(scores, group=mesh["cp"].get_group())  # the row's ranks: equal shares
+        dist.all_reduce(scores, group=mesh.get_group("cp"))  # the row's ranks: equal shares
         val_loss, val_accuracy = (scores / cp).tolist()
         run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds)
     return model, run.finish_result(result, log, model, dataset, device)

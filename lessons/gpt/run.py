@@ -12,7 +12,8 @@ reader sees at a glance which lines are shared::
 - The device: :func:`choose_device` (lesson 00's task0_1, whose reference answer is kept
   identical to it) and :func:`sync`, which waits for a GPU's queued work before a clock is read.
 - The process group: :func:`setup`, which lesson 03 teaches line by line and every script from
-  lesson 03 on starts with.
+  lesson 03 on starts with, and :func:`device_mesh`, ``init_device_mesh``'s mesh whose every
+  group waits no longer than the default group (lesson 06).
 - The loss and its measurement: :func:`next_char_loss`, :func:`evaluate`, :func:`sample`.
 - The data: :func:`windows`, the running example's train and validation windows.
 - The record of a run: :func:`begin_result`, :func:`record_epoch`, :func:`finish_result` build
@@ -49,7 +50,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.utils.data import Subset
 
 from .data import CharDataset, train_val_split
@@ -122,6 +122,24 @@ def setup(backend: str, script: str) -> tuple[int, int, torch.device]:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=TIMEOUT)
     return dist.get_rank(), dist.get_world_size(), device
 # --8<-- [end:setup]
+
+
+# --8<-- [start:device_mesh]
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)``, but every group of the
+    mesh waits at most :data:`TIMEOUT`: ``init_device_mesh`` gives the groups along each
+    dimension no timeout, so on gloo they wait 30 minutes for a missing peer whatever the default
+    group's timeout (tests/test_torch_claims.py asks torch). Rank ``r`` sits where ``r`` sits in
+    ``torch.arange(world).view(shape)``, as with ``init_device_mesh``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = torch.arange(math.prod(shape)).view(shape)
+    groups = []
+    for dim in range(len(shape)):  # the rank lists along `dim`: that axis last, the rest flat
+        lists = layout.movedim(dim, -1).reshape(-1, shape[dim]).tolist()
+        groups.append(dist.new_subgroups_by_enumeration(lists, timeout=TIMEOUT)[0])
+    return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=names)
+# --8<-- [end:device_mesh]
 
 
 def sync(device: torch.device) -> None:
@@ -255,7 +273,10 @@ def finish_result(result: dict, log, model, dataset, device, weights=None) -> di
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (its local shard); a plain tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    # Not imported here at the top: importing DTensor costs each process about a second, and a
+    # script that never imported it has no DTensor.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor.to_local() if dtensor and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def bytes_per_rank(model, optimizer, device, log=print) -> list[dict[str, int]]:
