@@ -206,19 +206,28 @@ def expert_groups(world_size: int, ep: int):
     return row, column
 
 
+def split_parameters(model) -> tuple[list, list]:
+    """(the parameters every rank holds, this rank's experts' parameters), told by name."""
+    held, own = [], []
+    for name, parameter in model.named_parameters():
+        (own if ".experts." in name else held).append(parameter)
+    return held, own
+
+
+def renumber(name: str, first: int) -> str:
+    """A name as one process holding every expert has it, from a rank whose experts are
+    numbered from 0 but are the experts ``first``, ``first + 1``, ... of the whole layer."""
+    found = re.search(r"\.experts\.(\d+)\.", name)
+    return name.replace(found[0], f".experts.{first + int(found[1])}.") if found else name
+
+
 def whole_state(model, group) -> dict:
     """The state dict of one process holding every expert, gathered over ``group`` (collective)."""
     mine = [None] * dist.get_world_size(group)
     dist.all_gather_object(mine, {k: v.cpu() for k, v in model.state_dict().items()}, group=group)
-    whole = {}
-    for place, state in enumerate(mine):
-        for key, value in state.items():
-            found = re.search(r"\.experts\.(\d+)\.", key)
-            if found:  # numbered from 0 on each process: renumber as in one process
-                number = place * len(model.blocks[0].mlp.layer.experts) + int(found[1])
-                key = key.replace(found[0], f".experts.{number}.")
-            whole[key] = value
-    return whole
+    per_rank = len(model.blocks[0].mlp.layer.experts)
+    return {renumber(key, place * per_rank): value
+            for place, state in enumerate(mine) for key, value in state.items()}
 
 
 def check(args, rank: int, world: int, device: torch.device) -> dict:

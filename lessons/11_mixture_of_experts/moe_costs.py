@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE.parent))  # lessons/, where gpt/ lives
 sys.path.insert(0, str(HERE.parent / "08_measure_and_choose"))  # lesson 08's benchmark
 from bench_collectives import fit_alpha_beta, sizes_between, start, time_collective  # noqa: E402
 from gpt import GPTConfig, run  # noqa: E402 - the plumbing every script shares
+from moe import split_parameters  # noqa: E402 - lesson 11's layer
 from train_ep import moe_gpt, sync_gradients  # noqa: E402 - lesson 11's model and its sync
 
 
@@ -75,8 +76,7 @@ def busiest_over_mean(args, aux_weight: float, device: torch.device) -> list[flo
     config = GPTConfig.named("tiny", vocab_size=dataset.vocab_size)
     model = moe_gpt(config, args.seed, args.experts, args.k, None, None).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    own = [p for name, p in model.named_parameters() if ".experts." in name]
-    held = [p for name, p in model.named_parameters() if ".experts." not in name]
+    held, own = split_parameters(model)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=True)
     found, epoch = [], 0

@@ -278,18 +278,13 @@ def ep_gradients_on_rank(ctx, ep: int, batch: int = 4, aux_weight: float = 0.01)
     model = script.moe_gpt(config, 0, 4, 2, 1.25, row)
     _, loss = run.next_char_loss(model, inputs, targets)
     (loss + aux_weight * sum(b.mlp.aux for b in model.blocks)).backward()
-    named = list(model.named_parameters())
     copies = column if ctx.world_size > ep else None
-    script.sync_gradients([p for n, p in named if ".experts." not in n],
-                          [p for n, p in named if ".experts." in n], copies)
+    script.sync_gradients(*moe_module().split_parameters(model), copies)
     first = ctx.rank % ep * (4 // ep)  # this rank's experts, numbered as in one process
     grads = {"loads": [block.mlp.load.tolist() for block in model.blocks],
              "whole": sorted(script.whole_state(model, row))}
-    for name, parameter in named:
-        if ".experts." in name:
-            local = int(name.split(".experts.")[1].split(".")[0])
-            name = name.replace(f".experts.{local}.", f".experts.{first + local}.")
-        grads[name] = parameter.grad
+    for name, parameter in model.named_parameters():
+        grads[moe_module().renumber(name, first)] = parameter.grad
     return grads
 
 

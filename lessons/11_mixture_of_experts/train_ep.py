@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
 # gpt: the running example (model, data); gpt.run: the plumbing every step shares
 from gpt import GPT, GPTConfig, run  # noqa: E402
-from moe import ExpertParallelMLP, MoE, expert_groups, whole_state  # noqa: E402 - this lesson's
+
+# moe: this lesson's layer, its process groups and its parameters' names
+from moe import ExpertParallelMLP, MoE, expert_groups, split_parameters, whole_state  # noqa: E402
 
 
 def moe_gpt(config: GPTConfig, seed: int, experts: int, k: int, capacity_factor, group) -> GPT:
@@ -112,8 +114,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     model = moe_gpt(config, seed, experts, k, capacity_factor, row).to(device)
     # Created after the move, so the optimizer's state is allocated on the device as well.
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    own = [p for name, p in model.named_parameters() if ".experts." in name]
-    held = [p for name, p in model.named_parameters() if ".experts." not in name]
+    held, own = split_parameters(model)
     copies = column if world_size > ep else None  # the copies of my experts
     sync = functools.partial(sync_gradients, held, own, copies)
     # The compiled module shares its parameters with `model`; we keep `model` for saving.
