@@ -91,7 +91,9 @@ class AllToAll(torch.autograd.Function):
     One ``all_to_all_single``. Backward: each row's gradient goes back to the rank it came
     from, to the row it came from: the same exchange with the two lists swapped. Returns
     ``(gradient, None, None, None)``. The sizes may be lists of ints or 1-D integer tensors
-    (rows of ``exchange_counts``' result, say).
+    (rows of ``exchange_counts``' result, say). ``x``, and the gradient autograd passes to
+    the backward, may be laid out in any order in memory (not contiguous); ``all_to_all_single``
+    takes contiguous tensors only.
 
     ``send_sizes`` that do not add up to N raise ``ValueError`` naming both numbers.
 

@@ -18,6 +18,9 @@ from harness.ranks import run_on_ranks
 from harness.sweep import st, sweep
 from lesson11.common import GROUPS, LESSON, TIGHT, everyone_agrees, my_group, seeded, seeded_counts
 
+NOT_CONTIGUOUS = ("a tensor given to it need not be contiguous, and all_to_all_single takes "
+                  "only contiguous tensors: send t.contiguous()")
+
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
 # (tests/test_course.py checks the names).
 CLAUSES = {
@@ -32,6 +35,9 @@ CLAUSES = {
         "AllToAll backward: each row's gradient back to its rank and row, one all-to-all":
             ["test_all_to_all_sends_rows_and_their_gradients_back",
              "test_all_to_all_over_generated_sizes"],
+        "AllToAll: x and the gradient in any memory layout (all_to_all_single needs them "
+        "contiguous)": ["test_all_to_all_sends_rows_and_their_gradients_back",
+                        "test_all_to_all_over_generated_sizes"],
         "AllToAll: one all_to_all each way":
             ["test_all_to_all_sends_rows_and_their_gradients_back"],
         "AllToAll: sizes as lists of ints or 1-D integer tensors":
@@ -98,8 +104,11 @@ def a2a_run(ctx, sizes: list[list[int]], groups=None, as_tensors: bool = False) 
     receive = [row[place] for row in sizes]
     if as_tensors:
         send, receive = torch.tensor(send), torch.tensor(receive)
-    x = seeded(300 + ctx.rank, sum(send), WIDTH).to(ctx.device).requires_grad_(True)
-    c = seeded(400 + ctx.rank, sum(receive), WIDTH).to(ctx.device)
+    # Both column-major, so x and y's gradient are not contiguous, as a model's tensors need not
+    # be (all_to_all_single refuses such a tensor): the same values, laid out the other way.
+    x = seeded(300 + ctx.rank, sum(send), WIDTH).t().contiguous().t().to(ctx.device)
+    x.requires_grad_(True)
+    c = seeded(400 + ctx.rank, sum(receive), WIDTH).t().contiguous().t().to(ctx.device)
     before = x.detach().clone()
     with CollectiveLog(ex) as forward:
         try:
@@ -107,8 +116,9 @@ def a2a_run(ctx, sizes: list[list[int]], groups=None, as_tensors: bool = False) 
                  else ex.AllToAll.apply(x, send, receive, group))
         except NotImplementedError:  # a stub (a subclass of RuntimeError): not attempted
             raise
-        except (RuntimeError, TypeError) as error:
-            advice = (f"in a group of {len(members)} of {ctx.world_size} ranks the size lists "
+        except (RuntimeError, TypeError, ValueError) as error:  # gloo: ValueError, not contiguous
+            advice = (NOT_CONTIGUOUS if "contiguous" in str(error) else
+                      f"in a group of {len(members)} of {ctx.world_size} ranks the size lists "
                       f"have one entry per rank of the group: pass group= to "
                       f"all_to_all_single" if groups else
                       "sizes may come as int64 tensors: turn them into lists of ints"
@@ -122,7 +132,7 @@ def a2a_run(ctx, sizes: list[list[int]], groups=None, as_tensors: bool = False) 
     with CollectiveLog(ex) as backward:
         try:
             (y * c).sum().backward()
-        except RuntimeError as error:  # autograd refuses a gradient of the wrong shape
+        except (RuntimeError, ValueError) as error:  # a gradient of the wrong shape or layout
             return {**found, "grad": None, "backward_error": str(error)[:300]}
     return {**found, "grad": x.grad, "backward": [(call.op, call.payload)
                                                   for call in backward.calls]}
@@ -152,9 +162,11 @@ def check_a2a(results, sizes, count_calls: bool = True) -> None:
         if found["grad"] is None:
             error = found.get("backward_error", "")
             raise AssertionError(
-                f"{where}: no gradient reached x{': ' + error if error else ''}; the backward "
-                f"sends each row's gradient back: all_to_all_single with "
-                f"input_split_sizes=receive_sizes and output_split_sizes=send_sizes")
+                f"{where}: no gradient reached x{': ' + error if error else ''}; " + (
+                    f"the gradient autograd passes to backward: {NOT_CONTIGUOUS}"
+                    if "contiguous" in error else "the backward sends each row's gradient "
+                    "back: all_to_all_single with input_split_sizes=receive_sizes and "
+                    "output_split_sizes=send_sizes"))
         assert_close(found["grad"].cpu(), want_grad, f"{where}: the gradient of x (each row's "
                      f"gradient, back from the rank it went to)", rank=rank, **TIGHT)
         if not count_calls:
