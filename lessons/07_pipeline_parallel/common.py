@@ -39,7 +39,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(200 + step)
     tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"] + 1),
                            generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
+    # Contiguous, as a DataLoader's batch is: torch 2.11's pipelining compares each input's
+    # strides with the stage's example input, and a slice of the (B, S + 1) tokens has S + 1.
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

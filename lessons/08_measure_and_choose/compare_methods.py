@@ -115,7 +115,8 @@ def build(method: str, config: GPTConfig, device: torch.device, batch_size: int,
     params = sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1),
                            generator=torch.Generator().manual_seed(0)).to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    # contiguous: torch 2.11's pipelining refuses an input whose strides differ from its example's
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     activation = batch_size * config.block_size * config.n_embd * 4  # (B, T, C) fp32
     if method in ("ddp", "fsdp"):  # each rank its share of the batch
         share = batch_size // world
