@@ -13,10 +13,11 @@
 # %% [markdown]
 # # Lesson 10 walkthrough: attention over a sequence no rank holds whole
 #
-# Four steps, all on a CPU: merge two halves of an attention exactly from their log-sum-exps;
+# Six steps, all on a CPU: merge two halves of an attention exactly from their log-sum-exps;
 # play a ring of pretend ranks in one process, each holding a quarter of the sequence; count
 # the work each rank does under a causal mask with contiguous blocks and with the zig-zag split;
-# then run the lesson's script, forward and backward, on 4 real ranks under `torchrun`.
+# run the lesson's ring, forward and backward, on 4 real ranks under `torchrun`; train the
+# running example with every sequence split over 2 ranks; and measure what a rank keeps.
 
 # %%
 import os
@@ -133,3 +134,45 @@ assert run.returncode == 0, run.stderr
 # computes every block, and trimming each block to what its queries can see halves the other
 # ranks' blocks. The exercises build each piece: the sequence-parallel collectives, the merge,
 # one ring step, the zig-zag split and the ring.
+
+# %% [markdown]
+# ## 5. The running example, its sequences split over 2 ranks
+#
+# `train_cp.py` is lesson 03's `train_ddp.py` with a mesh of dp rows × cp columns: each rank
+# of a row keeps its zig-zag share of every window, and every block's attention runs the ring
+# over the row. Here one row of 2 (`--cp 2`): both ranks read the same 16 windows a step, each
+# keeps 16 of their 32 positions.
+
+# %%
+command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", str(HERE / "train_cp.py"), "--cp", "2", "--epochs", "1",
+           "--train-windows", "64"]
+run = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+print(run.stdout)
+assert run.returncode == 0, run.stderr
+
+# %% [markdown]
+# The sample before training is lesson 03's: sampling runs whole sequences in one process, and
+# the model starts from the same seed. The lesson's test runs 4 ranks as dp 2 × cp 2 and checks
+# the losses and every trained parameter against one process on whole sequences.
+#
+# ## 6. What a rank keeps for the backward, by method
+#
+# `memory_by_length.py` runs one block forward on one sequence four ways on each rank and counts
+# what autograd keeps (each tensor once), the parameters and the bytes sent, beside the counts
+# the README derives. Context parallelism keeps (17C + H + 4)/W elements per token, the least,
+# but every rank holds every parameter; at W = 2 it sends about as much as tensor parallelism.
+
+# %%
+command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", str(HERE / "memory_by_length.py"), "--lengths", "64,128"]
+run = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+print(run.stdout)
+assert run.returncode == 0, run.stderr
+
+# %% [markdown]
+# Doubling the sequence doubles every line: attention keeps one log-sum-exp per row, never the
+# S × S scores. On 4 ranks (`--nproc-per-node=4 ... --plot memory.svg`, the README's figure) only
+# context parallelism's line falls by W again.
