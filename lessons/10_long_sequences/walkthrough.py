@@ -121,12 +121,17 @@ print("zig-zag:   ", [pairs(p) for p in zigzag])
 # gradients.
 
 # %%
-command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=4", str(HERE / "ring_attention.py"), "--length", "32"]
-run = subprocess.run(command, capture_output=True, text=True, timeout=180,
-                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-print(run.stdout)
-assert run.returncode == 0, run.stderr
+def torchrun(script: str, processes: int, *args: str) -> None:
+    """`torchrun --standalone --nproc-per-node=<processes> <script> <args>`; prints its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={processes}", str(HERE / script), *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(run.stdout)
+    assert run.returncode == 0, run.stderr
+
+
+torchrun("ring_attention.py", 4, "--length", "32")
 
 # %% [markdown]
 # Every version equals one process to about 1e-15 in float64. The counts are the scores each
@@ -144,13 +149,7 @@ assert run.returncode == 0, run.stderr
 # keeps 16 of their 32 positions.
 
 # %%
-command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", str(HERE / "train_cp.py"), "--cp", "2", "--epochs", "1",
-           "--train-windows", "64"]
-run = subprocess.run(command, capture_output=True, text=True, timeout=180,
-                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-print(run.stdout)
-assert run.returncode == 0, run.stderr
+torchrun("train_cp.py", 2, "--cp", "2", "--epochs", "1", "--train-windows", "64")
 
 # %% [markdown]
 # The sample before training is lesson 03's: sampling runs whole sequences in one process, and
@@ -165,12 +164,7 @@ assert run.returncode == 0, run.stderr
 # but every rank holds every parameter; at W = 2 it sends about as much as tensor parallelism.
 
 # %%
-command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", str(HERE / "memory_by_length.py"), "--lengths", "64,128"]
-run = subprocess.run(command, capture_output=True, text=True, timeout=180,
-                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-print(run.stdout)
-assert run.returncode == 0, run.stderr
+torchrun("memory_by_length.py", 2, "--lengths", "64,128")
 
 # %% [markdown]
 # Doubling the sequence doubles every line: attention keeps one log-sum-exp per row, never the
