@@ -292,8 +292,6 @@ def test_the_parameter_counts_lesson_07_quotes(tiny):
 
 def meshes_on_rank(ctx, shape, names) -> dict:
     """run.device_mesh next to init_device_mesh: the ranks of each group and the timeouts."""
-    from datetime import timedelta
-
     import torch.distributed as dist
     from gpt import run
     from torch.distributed.device_mesh import init_device_mesh
@@ -308,10 +306,16 @@ def meshes_on_rank(ctx, shape, names) -> dict:
 
     ours, torchs = seen(run.device_mesh("cpu", shape, names)), seen(
         init_device_mesh("cpu", shape, mesh_dim_names=names))
-    assert ours["timeouts"] == [run.TIMEOUT] * len(names) != [timedelta(minutes=30)], ours
-    sliced = run.device_mesh("cpu", shape, names)[names[-1]]  # slicing works as torch's does
+    assert ours["timeouts"] == [run.TIMEOUT] * len(names), ours  # 60 s, in the test below
+    mesh = run.device_mesh("cpu", shape, names)  # slicing works as torch's does
+    try:
+        run.device_mesh("cpu", (3,), ("x",))
+        refused = None
+    except ValueError as error:
+        refused = str(error)
     return {"ours": {**ours, "timeouts": None}, "torch": {**torchs, "timeouts": None},
-            "sliced": dist.get_process_group_ranks(sliced.get_group())}
+            "sliced": [dist.get_process_group_ranks(mesh[n].get_group()) for n in names],
+            "refused": refused}
 
 
 @pytest.mark.parametrize("shape,names", [((4,), ("dp",)), ((2, 2), ("dp", "tp")),
@@ -319,10 +323,12 @@ def meshes_on_rank(ctx, shape, names) -> dict:
                                          ((1, 2, 2), ("pp", "dp", "tp"))], ids=str)
 def test_device_mesh_is_init_device_mesh_with_the_course_timeout(shape, names):
     """gpt.run.device_mesh places every rank and builds every group as init_device_mesh does,
-    and each of its groups waits at most run.TIMEOUT (init_device_mesh's wait 30 minutes)."""
+    and each of its groups waits at most run.TIMEOUT (60 s here; init_device_mesh's subgroups
+    wait 30 minutes on gloo), and refuses a shape that does not hold every rank."""
     from harness.ranks import run_on_ranks
 
     for rank, found in enumerate(run_on_ranks(meshes_on_rank, shape, names,
                                               world_size=4, pg_timeout=60)):
         assert found["ours"] == found["torch"], (rank, found)
-        assert found["sliced"] == found["torch"]["groups"][-1], (rank, found)
+        assert found["sliced"] == found["torch"]["groups"], (rank, found)
+        assert found["refused"] == "a mesh of shape (3,) has 3 places for 4 processes", found

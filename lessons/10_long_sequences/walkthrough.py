@@ -125,10 +125,10 @@ def torchrun(script: str, processes: int, *args: str) -> None:
     """`torchrun --standalone --nproc-per-node=<processes> <script> <args>`; prints its output."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={processes}", str(HERE / script), *args]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    print(run.stdout)
-    assert run.returncode == 0, run.stderr
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(done.stdout)
+    assert done.returncode == 0, done.stderr
 
 
 torchrun("ring_attention.py", 4, "--length", "32")

@@ -19,7 +19,7 @@ from harness.sweep import st, sweep
 from lesson11.common import GROUPS, LESSON, TIGHT, everyone_agrees, my_group, seeded, seeded_counts
 
 NOT_CONTIGUOUS = ("a tensor given to it need not be contiguous, and all_to_all_single takes "
-                  "only contiguous tensors: send t.contiguous()")
+                  "only contiguous tensors: send t.contiguous() (x, or the gradient)")
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
 # (tests/test_course.py checks the names).

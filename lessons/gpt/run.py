@@ -127,17 +127,23 @@ def setup(backend: str, script: str) -> tuple[int, int, torch.device]:
 # --8<-- [start:device_mesh]
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
     """``init_device_mesh(device_type, shape, mesh_dim_names=names)``, but every group of the
-    mesh waits at most :data:`TIMEOUT`: ``init_device_mesh`` gives the groups along each
-    dimension no timeout, so on gloo they wait 30 minutes for a missing peer whatever the default
-    group's timeout (tests/test_torch_claims.py asks torch). Rank ``r`` sits where ``r`` sits in
-    ``torch.arange(world).view(shape)``, as with ``init_device_mesh``."""
+    mesh waits at most :data:`TIMEOUT`: ``init_device_mesh`` gives the groups of a dimension
+    that does not span every rank no timeout, so on gloo they wait 30 minutes for a missing peer
+    whatever the default group's timeout (tests/test_torch_claims.py asks torch). Rank ``r``
+    sits where ``r`` sits in ``torch.arange(world).view(shape)``, as with ``init_device_mesh``;
+    a dimension over every rank is the default group, as there."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    layout = torch.arange(math.prod(shape)).view(shape)
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise ValueError(f"a mesh of shape {tuple(shape)} has {math.prod(shape)} places for "
+                         f"{world} processes")
+    layout = torch.arange(world).view(shape)
     groups = []
     for dim in range(len(shape)):  # the rank lists along `dim`: that axis last, the rest flat
         lists = layout.movedim(dim, -1).reshape(-1, shape[dim]).tolist()
-        groups.append(dist.new_subgroups_by_enumeration(lists, timeout=TIMEOUT)[0])
+        groups.append(dist.group.WORLD if shape[dim] == world else
+                      dist.new_subgroups_by_enumeration(lists, timeout=TIMEOUT)[0])
     return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=names)
 # --8<-- [end:device_mesh]
 
