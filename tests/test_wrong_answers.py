@@ -82,17 +82,18 @@ def task_of(lesson: str, name: str) -> str | None:
 
 
 def script_copies() -> list[tuple[str, str, str]]:
-    """(lesson, script, name) for every script of the manifest that defines, at top level, a
-    function or class that a task grades: it keeps its own copy (a script runs without the
-    solutions), and the copy must be a right answer to that task."""
+    """(lesson, file, name) for every script or module of the manifest that defines, at top
+    level, a function or class that a task grades: it keeps its own copy (a script runs without
+    the solutions), and the copy must be a right answer to that task."""
     found = []
     for lesson in lesson_names():
-        for script in course_lesson(lesson).scripts:
-            path = LESSONS_DIR / lesson / script.path
+        entry = course_lesson(lesson)
+        for name in (*(script.path for script in entry.scripts), *entry.modules):
+            path = LESSONS_DIR / lesson / name
             for node in ast.parse(path.read_text()).body:
                 if (isinstance(node, (ast.FunctionDef, ast.ClassDef))
                         and task_of(lesson, node.name)):
-                    found.append((lesson, script.path, node.name))
+                    found.append((lesson, name, node.name))
     return found
 
 
@@ -189,9 +190,10 @@ def test_the_grader_rejects_the_wrong_answer(graded, path, request):
 @pytest.mark.parametrize("copy", [c for c in script_copies() if c not in NOT_A_COPY],
                          ids=lambda c: f"{c[0]}/{c[1]}:{c[2]}")
 def test_a_script_copy_of_a_task_passes_its_grader(graded, copy):
-    """A script that defines what a task grades (train_tp.py's block_plan, train_resilient.py's
-    ResumableSampler, ...) keeps its own copy, shorter than the reference answer; the task's
-    grader, run on the copy in place of the reference, keeps the two the same function."""
+    """A script or module that defines what a task grades (train_tp.py's block_plan,
+    training_state.py's ResumableSampler, ...) keeps its own copy, shorter than the reference
+    answer; the task's grader, run on the copy in place of the reference, keeps the two the same
+    function."""
     lesson, script, name = copy
     run = graded[copy].result()
     bad = {node: text[:600] for node, (outcome, text) in run["outcomes"].items()

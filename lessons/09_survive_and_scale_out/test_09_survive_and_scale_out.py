@@ -118,28 +118,27 @@ def test_train_resilient_resumes_mid_epoch_bitwise(tmp_path):
     assert resumed[0]["digest"] == whole[0]["digest"], "resumed at step 3, mid-epoch: other"
 
 
-def script_state_onto_meta_on_rank(ctx, name: str, folder: str) -> dict:
-    """The script's own save_state, then its load_state onto the meta device, as a GPU rank
+def state_onto_meta_on_rank(ctx, folder: str) -> dict:
+    """The scripts' training_state.save, then its load onto the meta device, as a GPU rank
     loads onto cuda:k: the generators must come back all the same (and the step folder, saved
     twice as after a restart, must be replaced)."""
-    script = load_lesson_module(LESSON, name)
+    state = load_lesson_module(LESSON, "training_state")
     path = Path(folder) / "step-00000001"
     model = GPT(GPTConfig(**CONFIG), seed=0)
     torch.manual_seed(5 + ctx.rank)
     for _ in range(2):
-        script.save_state(path, {"model": model}, {"epoch": 0, "start": 0, "step": 1})
+        state.save(path, {"model": model}, {"epoch": 0, "start": 0, "step": 1})
     saved = torch.get_rng_state()
     torch.manual_seed(999)
-    position = script.load_state(path, {"model": GPT(GPTConfig(**CONFIG)).to("meta")}, "meta")
+    position = state.load(path, {"model": GPT(GPTConfig(**CONFIG)).to("meta")}, "meta")
     return {"restored": torch.equal(torch.get_rng_state(), saved), "position": position,
             "left": sorted(p.name for p in Path(folder).iterdir())}
 
 
-@pytest.mark.parametrize("name", ["train_checkpoint", "train_resilient"])
-def test_the_scripts_restore_generators_whatever_device_the_tensors_load_onto(tmp_path, name):
-    for rank, got in enumerate(run_on_ranks(script_state_onto_meta_on_rank, name,
-                                            str(tmp_path), world_size=2)):
-        assert got["restored"], f"rank {rank}: {name}.py did not restore its generator"
+def test_the_scripts_restore_generators_whatever_device_the_tensors_load_onto(tmp_path):
+    for rank, got in enumerate(run_on_ranks(state_onto_meta_on_rank, str(tmp_path),
+                                            world_size=2)):
+        assert got["restored"], f"rank {rank}: training_state.load did not restore its generator"
         assert got["position"]["step"] == 1
         assert got["left"] == ["step-00000001"], got["left"]
 

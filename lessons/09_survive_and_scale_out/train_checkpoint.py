@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import zipfile
 from pathlib import Path
 
 import torch
@@ -26,7 +25,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
-# gpt: the running example (model, data); gpt.run: the plumbing every step shares
+# gpt: the running example (model, data); gpt.run: the plumbing every step shares;
+# training_state (beside this file): the checkpoint, sampler and stop of lesson 09
+import training_state  # noqa: E402
 from gpt import GPT, GPTConfig, run  # noqa: E402
 
 
@@ -63,34 +64,6 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp=Non
     return (totals[0] / totals[1]).item()
 
 
-def save_state(path: Path, parts: dict, position: dict) -> None:
-    """Rank 0 writes <path>.partial/train.pt, with every rank's generators, then renames it."""
-    generators = [None] * dist.get_world_size()  # each rank's: they draw different masks
-    dist.all_gather_object(generators, run.rng_state())  # bytes: map_location cannot move them
-    if dist.get_rank() == 0:
-        partial = path.with_name(path.name + ".partial")
-        partial.mkdir(parents=True, exist_ok=True)  # an earlier crash's is overwritten
-        torch.save({**{name: part.state_dict() for name, part in parts.items()},
-                    "position": position, "generators": generators}, partial / "train.pt")
-        run.replace_directory(partial, path)  # fsynced, then renamed: whole or not at all
-    dist.barrier()  # no rank goes on before it is there
-
-
-def resume_point(folder: Path) -> Path | None:
-    """The newest step-<N>/ whose train.pt is whole (a zip archive's index is written last)."""
-    found = [path for path in folder.glob("step-*") if path.name[5:].isdigit()
-             and zipfile.is_zipfile(path / "train.pt")]
-    return max(found, key=lambda path: int(path.name[5:]), default=None)
-
-
-def load_state(path: Path, parts: dict, device) -> dict:
-    state = torch.load(path / "train.pt", map_location=device, weights_only=True)
-    for name, part in parts.items():
-        part.load_state_dict(state[name])
-    run.set_rng_state(state["generators"][dist.get_rank()])  # this rank's own, CUDA's too
-    return state["position"]
-
-
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
         compile: bool = False, fp16: bool = False, dropout: float = 0.0,
@@ -119,9 +92,9 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     torch.manual_seed(seed + dist.get_rank())  # each rank draws its own dropout masks
     parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     position = {"epoch": 1, "step": 0}  # the next epoch to train, the steps taken
-    resume = resume_point(checkpoint_dir) if checkpoint_dir else None
+    resume = training_state.resume_point(checkpoint_dir) if checkpoint_dir else None
     if resume is not None:
-        position = load_state(resume, parts, device)
+        position = training_state.load(resume, parts, device)
         log(f"resumed from {resume}: epoch {position['epoch']}, step {position['step']}")
     for epoch in range(position["epoch"], epochs + 1):
         with run.timed(device) as timer:  # the device's queued work included
@@ -132,7 +105,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
         run.record_epoch(result, log, train_loss, val_loss, val_accuracy, timer.seconds, epoch)
         position = {"epoch": epoch + 1, "step": position["step"] + len(train_loader)}
         if checkpoint_dir is not None:
-            save_state(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
+            training_state.save(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
     result["scaler"] = scaler.state_dict()  # empty when disabled
     return model, run.finish_result(result, log, model, dataset, device)
 

@@ -7,18 +7,8 @@ SIGTERM (a preempted or cancelled job) or SIGUSR1 (--signal=USR1@90: the time li
 sent to any rank stops every rank at the next step boundary: they save that step and exit with
 128 + the signal, 143 for SIGTERM. Started again, the run resumes there, bitwise exact.
 
---fp16 computes in float16 under autocast with a GradScaler: the loss is scaled up before
-backward so that small gradients do not flush to zero, and scaled back before the step, which is
-skipped when a gradient overflowed. The scaler's state is part of the training state: the
-checkpoint holds it beside the weights. --bf16 needs no scaler (bf16 has fp32's range).
-
-After each epoch ckpt/step-<N>/train.pt gets the model, optimizer, learning-rate schedule,
-GradScaler, position and every rank's generators, under a name one rename makes complete.
-Started again, it resumes from the newest and ends bitwise equal to a run that never stopped.
-
---save-every N checkpoints after every N steps, with the place inside the epoch; the sampler
-resumes there. --crash-at-step S kills the last rank after step S (first attempt only):
-torchrun --max-restarts=1 starts the group again and the script resumes, bitwise exact.
+The rest is train_resilient.py's: --bf16 or --fp16 (its GradScaler saved), a checkpoint every
+--save-every steps (or after each epoch) resumed bitwise, and --crash-at-step.
 """
 
 from __future__ import annotations
@@ -27,78 +17,25 @@ import argparse
 import os
 import signal
 import sys
-import threading
-import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
-# gpt: the running example (model, data); gpt.run: the plumbing every step shares
+# gpt: the running example (model, data); gpt.run: the plumbing every step shares;
+# training_state (beside this file): the checkpoint, sampler and stop of lesson 09
+import training_state  # noqa: E402
 from gpt import GPT, GPTConfig, run  # noqa: E402
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler whose epoch can start at this rank's ``start``-th sample."""
-
-    start = 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        if not 0 <= start <= self.num_samples:
-            raise ValueError(f"start {start} is outside this rank's epoch of "
-                             f"{self.num_samples} samples")
-        super().set_epoch(epoch)
-        self.start = start
-
-    def __iter__(self):  # the epoch's order depends on (seed, epoch, rank, world) alone
-        return iter(list(super().__iter__())[self.start:])
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
-
-
-class Preemption:
-    """``with Preemption() as stop``: the signals only set a flag; at each step boundary
-    ``stop.requested()``, one all-reduce, tells every rank whether any rank caught one."""
-
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)):
-        self.signals, self.caught, self.signal = tuple(signals), 0, 0
-
-    def __enter__(self) -> Preemption:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("enter Preemption in the main thread: Python runs signal "
-                               "handlers there only")
-        self._previous = {sig: signal.signal(sig, self._catch) for sig in self.signals}
-        return self
-
-    def _catch(self, signum, frame) -> None:
-        # Nothing more: it runs between two bytecodes, maybe inside a collective or a save.
-        self.caught = self.caught or signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():  # None: one installed outside Python
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-
-    def requested(self, group=None, device="cpu") -> bool:
-        flag = torch.tensor([self.caught], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # any rank's, on every rank
-        if not self.signal:  # the first agreement stands
-            self.signal = int(flag.item())
-        return self.signal != 0
-
-    @property
-    def exit_code(self) -> int:  # what a shell reports for a process the signal ended
-        return 128 + self.signal if self.signal else 0
 
 
 def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.device):
     # Pinned (page-locked) host memory is what lets a host-to-GPU copy run asynchronously.
     pin = device.type == "cuda"
     # Each rank takes its 1/world of the indices, shuffled from `seed` and the epoch alike.
-    sampler = ResumableSampler(train_set, shuffle=True, seed=seed)
+    sampler = training_state.ResumableSampler(train_set, shuffle=True, seed=seed)
     # Generators of their own: each new iterator draws a seed from one, which must not move
     # the global generator's dropout draws when an epoch is resumed half-way.
     train_loader = DataLoader(train_set, batch_size, sampler=sampler, pin_memory=pin,
@@ -134,39 +71,11 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp=Non
     return (totals[0] / totals[1]).item()
 
 
-def save_state(path: Path, parts: dict, position: dict) -> None:
-    """Rank 0 writes <path>.partial/train.pt, with every rank's generators, then renames it."""
-    generators = [None] * dist.get_world_size()  # each rank's: they draw different masks
-    dist.all_gather_object(generators, run.rng_state())  # bytes: map_location cannot move them
-    if dist.get_rank() == 0:
-        partial = path.with_name(path.name + ".partial")
-        partial.mkdir(parents=True, exist_ok=True)  # an earlier crash's is overwritten
-        torch.save({**{name: part.state_dict() for name, part in parts.items()},
-                    "position": position, "generators": generators}, partial / "train.pt")
-        run.replace_directory(partial, path)  # fsynced, then renamed: whole or not at all
-    dist.barrier()  # no rank goes on before it is there
-
-
-def resume_point(folder: Path) -> Path | None:
-    """The newest step-<N>/ whose train.pt is whole (a zip archive's index is written last)."""
-    found = [path for path in folder.glob("step-*") if path.name[5:].isdigit()
-             and zipfile.is_zipfile(path / "train.pt")]
-    return max(found, key=lambda path: int(path.name[5:]), default=None)
-
-
-def load_state(path: Path, parts: dict, device) -> dict:
-    state = torch.load(path / "train.pt", map_location=device, weights_only=True)
-    for name, part in parts.items():
-        part.load_state_dict(state[name])
-    run.set_rng_state(state["generators"][dist.get_rank()])  # this rank's own, CUDA's too
-    return state["position"]
-
-
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
         compile: bool = False, fp16: bool = False, dropout: float = 0.0,
         checkpoint_dir: Path | None = None, save_every: int = 0,
-        crash_at_step: int = 0, stop: Preemption | None = None, log=print):
+        crash_at_step: int = 0, stop: training_state.Preemption | None = None, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
@@ -191,15 +100,12 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     torch.manual_seed(seed + dist.get_rank())  # each rank draws its own dropout masks
     parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     position = {"epoch": 1, "start": 0, "step": 0}  # start: this rank's samples done this epoch
-    resume = resume_point(checkpoint_dir) if checkpoint_dir else None
+    resume = training_state.resume_point(checkpoint_dir) if checkpoint_dir else None
     if resume is not None:
-        position = load_state(resume, parts, device)
+        position = training_state.load(resume, parts, device)
         log(f"resumed from {resume}: epoch {position['epoch']}, step {position['step']}")
 
-    # The stop signal's flag travels on a gloo group of its own: a CPU number, so asking for it
-    # never waits for the GPU to finish the step (nccl would need a GPU tensor, and .item()).
-    control = (dist.new_group(backend="gloo", timeout=run.TIMEOUT)  # not gloo's 30 min default
-               if dist.get_backend() != "gloo" else None)
+    control = training_state.cpu_group()  # the stop flag's: asking never waits for the GPU's step
 
     def after_step(position: dict) -> None:
         if position["start"] == train_loader.sampler.num_samples:  # the epoch is done
@@ -207,7 +113,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
         every = position["step"] % save_every == 0 if save_every else position["start"] == 0
         stopping = stop is not None and stop.requested(control)  # every rank the same answer
         if checkpoint_dir is not None and (every or stopping):  # every N steps, or each epoch
-            save_state(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
+            training_state.save(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
         if stopping:
             log(f"{signal.Signals(stop.signal).name}: stopped after step {position['step']}"
                 f"{', saved' if checkpoint_dir else ', nothing saved (no --checkpoint-dir)'}; "
@@ -253,13 +159,10 @@ def main(argv=None) -> int:
         return run.refuse(__file__, err)
     torch.set_num_threads(args.threads)
     log = run.rank_zero_log(rank)  # progress from rank 0 only
-    where = " ".join(f"{name}={os.environ.get(name, '-')}" for name in (
-        "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"))
-    # Every rank: who it is, where it runs. One write, so that lines of processes that share a
-    # terminal (two torchruns on one machine) stay whole.
-    print(f"{where} device={device}\n", end="", flush=True)
+    training_state.say_who(device)  # every rank: its ranks, its attempt, its device
     try:
-        with Preemption() as stop:  # SIGTERM, SIGUSR1: stop at the next step boundary, saved
+        # SIGTERM or SIGUSR1: every rank stops at the next step boundary, saved
+        with training_state.Preemption() as stop:
             model, result = fit(
                 device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                 lr=args.lr, seed=args.seed, train_windows=args.train_windows, bf16=args.bf16,

@@ -23,43 +23,25 @@ import argparse
 import os
 import signal
 import sys
-import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
-# gpt: the running example (model, data); gpt.run: the plumbing every step shares
+# gpt: the running example (model, data); gpt.run: the plumbing every step shares;
+# training_state (beside this file): the checkpoint, sampler and stop of lesson 09
+import training_state  # noqa: E402
 from gpt import GPT, GPTConfig, run  # noqa: E402
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler whose epoch can start at this rank's ``start``-th sample."""
-
-    start = 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        if not 0 <= start <= self.num_samples:
-            raise ValueError(f"start {start} is outside this rank's epoch of "
-                             f"{self.num_samples} samples")
-        super().set_epoch(epoch)
-        self.start = start
-
-    def __iter__(self):  # the epoch's order depends on (seed, epoch, rank, world) alone
-        return iter(list(super().__iter__())[self.start:])
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
 
 
 def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.device):
     # Pinned (page-locked) host memory is what lets a host-to-GPU copy run asynchronously.
     pin = device.type == "cuda"
     # Each rank takes its 1/world of the indices, shuffled from `seed` and the epoch alike.
-    sampler = ResumableSampler(train_set, shuffle=True, seed=seed)
+    sampler = training_state.ResumableSampler(train_set, shuffle=True, seed=seed)
     # Generators of their own: each new iterator draws a seed from one, which must not move
     # the global generator's dropout draws when an epoch is resumed half-way.
     train_loader = DataLoader(train_set, batch_size, sampler=sampler, pin_memory=pin,
@@ -95,34 +77,6 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp=Non
     return (totals[0] / totals[1]).item()
 
 
-def save_state(path: Path, parts: dict, position: dict) -> None:
-    """Rank 0 writes <path>.partial/train.pt, with every rank's generators, then renames it."""
-    generators = [None] * dist.get_world_size()  # each rank's: they draw different masks
-    dist.all_gather_object(generators, run.rng_state())  # bytes: map_location cannot move them
-    if dist.get_rank() == 0:
-        partial = path.with_name(path.name + ".partial")
-        partial.mkdir(parents=True, exist_ok=True)  # an earlier crash's is overwritten
-        torch.save({**{name: part.state_dict() for name, part in parts.items()},
-                    "position": position, "generators": generators}, partial / "train.pt")
-        run.replace_directory(partial, path)  # fsynced, then renamed: whole or not at all
-    dist.barrier()  # no rank goes on before it is there
-
-
-def resume_point(folder: Path) -> Path | None:
-    """The newest step-<N>/ whose train.pt is whole (a zip archive's index is written last)."""
-    found = [path for path in folder.glob("step-*") if path.name[5:].isdigit()
-             and zipfile.is_zipfile(path / "train.pt")]
-    return max(found, key=lambda path: int(path.name[5:]), default=None)
-
-
-def load_state(path: Path, parts: dict, device) -> dict:
-    state = torch.load(path / "train.pt", map_location=device, weights_only=True)
-    for name, part in parts.items():
-        part.load_state_dict(state[name])
-    run.set_rng_state(state["generators"][dist.get_rank()])  # this rank's own, CUDA's too
-    return state["position"]
-
-
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
         compile: bool = False, fp16: bool = False, dropout: float = 0.0,
@@ -152,9 +106,9 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     torch.manual_seed(seed + dist.get_rank())  # each rank draws its own dropout masks
     parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     position = {"epoch": 1, "start": 0, "step": 0}  # start: this rank's samples done this epoch
-    resume = resume_point(checkpoint_dir) if checkpoint_dir else None
+    resume = training_state.resume_point(checkpoint_dir) if checkpoint_dir else None
     if resume is not None:
-        position = load_state(resume, parts, device)
+        position = training_state.load(resume, parts, device)
         log(f"resumed from {resume}: epoch {position['epoch']}, step {position['step']}")
 
     def after_step(position: dict) -> None:
@@ -162,7 +116,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
             position.update(epoch=position["epoch"] + 1, start=0)
         every = position["step"] % save_every == 0 if save_every else position["start"] == 0
         if checkpoint_dir is not None and every:  # every N steps, or at the end of each epoch
-            save_state(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
+            training_state.save(checkpoint_dir / f"step-{position['step']:08d}", parts, position)
         rank = dist.get_rank()
         first_try = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if position["step"] == crash_at_step and first_try and rank == dist.get_world_size() - 1:
@@ -203,11 +157,7 @@ def main(argv=None) -> int:
         return run.refuse(__file__, err)
     torch.set_num_threads(args.threads)
     log = run.rank_zero_log(rank)  # progress from rank 0 only
-    where = " ".join(f"{name}={os.environ.get(name, '-')}" for name in (
-        "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"))
-    # Every rank: who it is, where it runs. One write, so that lines of processes that share a
-    # terminal (two torchruns on one machine) stay whole.
-    print(f"{where} device={device}\n", end="", flush=True)
+    training_state.say_who(device)  # every rank: its ranks, its attempt, its device
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, fp16=args.fp16,

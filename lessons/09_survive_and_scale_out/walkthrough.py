@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE.parent))  # lessons/, where gpt/ lives
 sys.path.insert(0, str(HERE))  # this lesson's scripts
 import slurm_args  # noqa: E402
 import train_resilient  # noqa: E402
+import training_state  # noqa: E402
 from gpt import parameter_digest  # noqa: E402
 
 # %% [markdown]
@@ -53,7 +54,7 @@ from gpt import parameter_digest  # noqa: E402
 # %%
 data = range(12)
 whole = list(DistributedSampler(data, num_replicas=2, rank=1, seed=0))
-resumed = train_resilient.ResumableSampler(data, num_replicas=2, rank=1, seed=0)
+resumed = training_state.ResumableSampler(data, num_replicas=2, rank=1, seed=0)
 resumed.set_epoch(0, start=3)
 print("rank 1's epoch:          ", whole)
 print("resumed after 3 samples: ", list(resumed), f"(len {len(resumed)})")
@@ -99,7 +100,7 @@ cut = ckpt / "step-00000012" / "train.pt"
 cut.write_bytes(cut.read_bytes()[:1000])
 print(sorted(p.name for p in ckpt.iterdir()))
 print("step-00000012/train.pt is a zip archive:", zipfile.is_zipfile(cut))
-print("resume from:", train_resilient.resume_point(ckpt).name)
+print("resume from:", training_state.resume_point(ckpt).name)
 dist.destroy_process_group()
 
 # %% [markdown]

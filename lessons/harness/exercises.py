@@ -96,7 +96,13 @@ def load_path(path: str | os.PathLike) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     # Registered before running so that pickling (by reference) and dataclasses work.
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    # As when Python runs the file: its folder first on sys.path while it executes, so that a
+    # script finds the modules beside it by name (lesson 09's training_state).
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))  # the first occurrence: the one inserted above
     _loaded[path] = module
     return module
 

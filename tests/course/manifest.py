@@ -41,7 +41,8 @@ class Lesson:
     tasks: dict[str, str]
     scripts: tuple[Script, ...]
     # The lesson's other Python files, which are not scripts to run: the tools its tests or its
-    # walkthrough use (imported as ``lessonNN.<name>``, see harness/__init__.py). A lesson's
+    # walkthrough use (imported as ``lessonNN.<name>``, see harness/__init__.py), or the code its
+    # training scripts share (imported by name from beside them). A lesson's
     # test code (harness.exercises.grader_files: its test files, conftest.py and common.py)
     # needs no entry.
     modules: tuple[str, ...] = ()
@@ -151,27 +152,20 @@ COURSE: tuple[Lesson, ...] = (
            {"task9_1": "ResumableSampler, save_training_state, load_training_state",
             "task9_2": "expand_nodelist, slurm_to_torchrun", "task9_3": "resume_point",
             "task9_4": "first_mismatch", "task9_5": "Preemption"},
-           # 65 changed: the checkpoint (save_state, load_state, resume_point), and lesson 08's
-           # communication flags taken out (--comm-hook, --bucket-cap-mb, ...): it needs none.
            (Script("train_checkpoint.py", "torchrun", 2, QUICK,
-                   builds_on="08_measure_and_choose/train_amp.py", max_changed=65),
-            # 65 changed, 225 lines: the resumable sampler (task9_1's answer, checks included),
-            # the restart and the mid-epoch resume come on top of train_checkpoint.py, whole
-            # (DDP, mixed precision, the checkpoint: 168 lines, none of them this step's).
+                   builds_on="08_measure_and_choose/train_amp.py"),
             Script("train_resilient.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
-                   builds_on="09_survive_and_scale_out/train_checkpoint.py", max_changed=65,
-                   max_lines=225),
-            # 280 lines: task9_5's answer, Preemption (34 lines, checks included), and the stop at
-            # a step boundary come on top of train_resilient.py, whole.
+                   builds_on="09_survive_and_scale_out/train_checkpoint.py"),
             Script("train_preemptible.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
-                   builds_on="09_survive_and_scale_out/train_resilient.py", max_lines=280),
+                   builds_on="09_survive_and_scale_out/train_resilient.py"),
             Script("sharded_checkpoint.py", "torchrun", 2, ("--steps", "1")),
             Script("bench_checkpoint.py", "torchrun", 2,
                    ("--steps", "2", "--save-every", "1", "--n-embd", "32")),
             Script("find_a_hang.py", "torchrun", 2, ("--bug", "none", "--dump-after", "60")),
             Script("slurm_args.py", smallest=(
                 "--env", "SLURM_JOB_ID=1", "--env", "SLURM_JOB_NUM_NODES=2",
-                "--env", "SLURM_JOB_NODELIST=node[1-2]", "--env", "SLURM_GPUS_ON_NODE=4")))),
+                "--env", "SLURM_JOB_NODELIST=node[1-2]", "--env", "SLURM_GPUS_ON_NODE=4"))),
+           modules=("training_state.py",)),  # the three training scripts' checkpoint code
     Lesson("10_long_sequences", "Long sequences: sequence and context parallel",
            {"task10_1": "AllGatherSequence, ReduceScatterSequence",
             "task10_2": "merge_partials", "task10_3": "attend_block",
