@@ -42,7 +42,7 @@ COLUMNS = ("op", "backend", "world_size", "bytes", "seconds", "algbw_GBps", "bus
            "predicted_seconds")
 
 
-def start(backend: str) -> tuple[int, int, torch.device]:
+def setup(backend: str) -> tuple[int, int, torch.device]:
     """Join torchrun's group (or make a group of one): rank, world size, this rank's device.
 
     torch.distributed.nn is imported before the group exists: DDP imports it on first use, and
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
               f"0 < --min-bytes <= --max-bytes, --steps >= 1, --repeats >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    rank, world, device = start(args.backend)
+    rank, world, device = setup(args.backend)
     if world < 2:
         if rank == 0:
             print("error: a collective on one rank moves nothing; start 2 or more with "

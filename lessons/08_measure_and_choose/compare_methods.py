@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.nn  # noqa: E402, F401 - before any group exists: lesson 04's start()
+import torch.distributed.nn  # noqa: E402, F401 - before any group exists (see bench_collectives.setup)
 import torch.nn.functional as F  # noqa: E402
 from gpt import GPT, GPTConfig, GPTStage  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 from bench_collectives import (  # noqa: E402
     fit_alpha_beta,
     predict_allreduce_seconds,
-    start,
+    setup,
     synchronize,
     time_collective,
 )
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     chosen = names if args.settings == "all" else [
         names[int(i)] for i in args.settings.split(",")]
     torch.set_num_threads(args.threads)
-    rank, world, device = start(args.backend)
+    rank, world, device = setup(args.backend)
     if world < 2:
         if rank == 0:
             print("error: DDP on one rank sends nothing; start 2 or more with "
