@@ -140,8 +140,9 @@ def group_timeouts_on_rank(ctx) -> dict:
 
 def test_a_device_mesh_subgroup_on_gloo_waits_30_minutes_whatever_the_default_group():
     """11 README: "`init_device_mesh` would make the same groups, but it passes them no
-    timeout, and a gloo group without one waits 30 minutes" (so moe.py's expert_groups makes
-    them with dist.new_subgroups_by_enumeration and the course's timeout)."""
+    timeout, and a gloo group without one waits 30 minutes" (so run.mesh_groups, under moe.py's
+    expert_groups and run.device_mesh, makes them with dist.new_subgroups_by_enumeration and the
+    course's timeout)."""
     found = run_on_ranks(group_timeouts_on_rank, world_size=4, pg_timeout=60)[0]
     assert found["default"] == timedelta(seconds=60), found
     assert found["mesh"] == [timedelta(minutes=30)] * 2, found

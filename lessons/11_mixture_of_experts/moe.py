@@ -196,13 +196,10 @@ class ExpertParallelMLP(nn.Module):
 
 def expert_groups(world_size: int, ep: int):
     """This process's row of a dp x ep layout (ep consecutive ranks: every expert once, the
-    all-to-alls) and its column (the ranks that hold copies of its experts), as groups whose
-    waits time out as the course's default group's do (a DeviceMesh's subgroups on gloo would
-    wait 30 minutes)."""
-    rows = [list(range(first, first + ep)) for first in range(0, world_size, ep)]
-    columns = [list(range(first, world_size, ep)) for first in range(ep)]
-    row, _ = dist.new_subgroups_by_enumeration(rows, timeout=run.TIMEOUT)
-    column, _ = dist.new_subgroups_by_enumeration(columns, timeout=run.TIMEOUT)
+    all-to-alls) and its column (the ranks that hold copies of its experts): the groups of a
+    (dp, ep) mesh, whose waits time out as the course's default group's do (a DeviceMesh's
+    subgroups on gloo would wait 30 minutes)."""
+    column, row = run.mesh_groups((world_size // ep, ep))
     return row, column
 
 

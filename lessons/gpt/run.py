@@ -125,15 +125,10 @@ def setup(backend: str, script: str) -> tuple[int, int, torch.device]:
 
 
 # --8<-- [start:device_mesh]
-def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
-    """``init_device_mesh(device_type, shape, mesh_dim_names=names)``, but every group of the
-    mesh waits at most :data:`TIMEOUT`: ``init_device_mesh`` gives the groups of a dimension
-    that does not span every rank no timeout, so on gloo they wait 30 minutes for a missing peer
-    whatever the default group's timeout (tests/test_torch_claims.py asks torch). Rank ``r``
-    sits where ``r`` sits in ``torch.arange(world).view(shape)``, as with ``init_device_mesh``;
-    a dimension over every rank is the default group, as there."""
-    from torch.distributed.device_mesh import DeviceMesh
-
+def mesh_groups(shape: tuple[int, ...]) -> list:
+    """This process's group along each dimension of a mesh of ``shape``, every one waiting at
+    most :data:`TIMEOUT`. Rank ``r`` sits where ``r`` sits in ``torch.arange(world).view(shape)``,
+    as with ``init_device_mesh``; a dimension over every rank is the default group, as there."""
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise ValueError(f"a mesh of shape {tuple(shape)} has {math.prod(shape)} places for "
@@ -144,6 +139,18 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
         lists = layout.movedim(dim, -1).reshape(-1, shape[dim]).tolist()
         groups.append(dist.group.WORLD if shape[dim] == world else
                       dist.new_subgroups_by_enumeration(lists, timeout=TIMEOUT)[0])
+    return groups
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)``, but over
+    :func:`mesh_groups`: ``init_device_mesh`` gives the groups of a dimension that does not span
+    every rank no timeout, so on gloo they wait 30 minutes for a missing peer whatever the
+    default group's timeout (tests/test_torch_claims.py asks torch)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = mesh_groups(shape)  # first: it refuses a shape that does not hold every rank
+    layout = torch.arange(dist.get_world_size()).view(shape)
     return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=names)
 # --8<-- [end:device_mesh]
 
