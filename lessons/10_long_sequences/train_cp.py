@@ -42,7 +42,7 @@ def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.d
     pin = device.type == "cuda"
     # Each dp row takes its 1/dp of the indices; the cp ranks of a row take the same ones, and
     # each keeps its own positions of them.
-    sampler = DistributedSampler(train_set, num_replicas=mesh.shape[0],
+    sampler = DistributedSampler(train_set, num_replicas=mesh["dp"].size(),
                                  rank=mesh.get_local_rank("dp"), shuffle=True, seed=seed)
     train_loader = DataLoader(train_set, batch_size, sampler=sampler, pin_memory=pin,
                               collate_fn=keep(positions))
