@@ -42,8 +42,9 @@ def make_loaders(train_set, val_set, batch_size: int, seed: int, device: torch.d
     pin = device.type == "cuda"
     # Each dp row takes its 1/dp of the indices; the cp ranks of a row take the same ones, and
     # each keeps its own positions of them.
-    sampler = DistributedSampler(train_set, num_replicas=mesh["dp"].size(),
-                                 rank=mesh.get_local_rank("dp"), shuffle=True, seed=seed)
+    dp = mesh.get_group("dp")  # by name: slicing, mesh["dp"], would import dynamo (2 s)
+    sampler = DistributedSampler(train_set, num_replicas=dist.get_world_size(dp),
+                                 rank=dist.get_rank(dp), shuffle=True, seed=seed)
     train_loader = DataLoader(train_set, batch_size, sampler=sampler, pin_memory=pin,
                               collate_fn=keep(positions))
     val_loader = DataLoader(val_set, batch_size=batch_size, shuffle=False, pin_memory=pin,
