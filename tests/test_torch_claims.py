@@ -1408,3 +1408,103 @@ def test_context_parallels_balanced_ring_refuses_attention_without_is_causal():
     source = inspect.getsource(attention._templated_ring_attention)
     assert "if not is_causal and _cp_options.enable_load_balance:" in source
     assert "Load balancing requires `is_causal=True`." in source
+
+
+def _linear_checkpointed(**options):
+    """A Linear layer run under torch.utils.checkpoint on an input that needs no gradient
+    (a block after frozen embeddings): its weight's gradient, and the warnings on the way."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = checkpoint(layer, torch.randn(2, 4), **options)
+        (out.sum() + layer.weight.sum()).backward()  # something needs a gradient either way
+    return layer.weight.grad, [str(w.message) for w in caught]
+
+
+def test_checkpoint_without_use_reentrant_warns_and_takes_the_reentrant_variant():
+    """05 README: "Without the argument, `checkpoint` warns and takes the older, reentrant
+    variant. That one gives a block's parameters no gradient when the block's input needs none
+    (frozen embeddings, in fine-tuning), with only a warning." The gradient of the weight is
+    then only the extra term's ones; the non-reentrant variant adds the layer's own."""
+    unset, unset_warnings = _linear_checkpointed()
+    reentrant, reentrant_warnings = _linear_checkpointed(use_reentrant=True)
+    fixed, _ = _linear_checkpointed(use_reentrant=False)
+    assert any("use_reentrant" in w for w in unset_warnings), unset_warnings
+    assert any("requires_grad" in w for w in reentrant_warnings), reentrant_warnings
+    assert torch.equal(unset, torch.ones(4, 4)) and torch.equal(reentrant, torch.ones(4, 4))
+    assert not torch.equal(fixed, torch.ones(4, 4)), "the layer's own gradient is missing"
+
+
+def test_checkpoint_wrapper_is_non_reentrant_and_keeps_the_state_dict_names():
+    """05 README: "`checkpoint_wrapper` takes the non-reentrant one unless told otherwise";
+    "`blocks.0._checkpoint_wrapped_module.ln_1.weight` in `named_parameters()`.
+    `checkpoint_wrapper` takes that part out of `state_dict()` and puts it back on loading"."""
+    from gpt import GPT, GPTConfig
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    default = inspect.signature(checkpoint_wrapper).parameters["checkpoint_impl"].default
+    assert default == CheckpointImpl.NO_REENTRANT
+    model = GPT(GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16), seed=0)
+    saved = model.state_dict()
+    model.blocks[0] = checkpoint_wrapper(model.blocks[0])
+    assert "blocks.0._checkpoint_wrapped_module.ln_1.weight" in dict(model.named_parameters())
+    assert list(model.state_dict()) == list(saved)
+    model.load_state_dict(saved)  # strict
+
+
+def test_checkpoint_recomputes_with_the_forwards_dropout_masks_and_restores_the_generator():
+    """05 README: "`preserve_rng_state=True`, the default, saves the generators' state before
+    the forward, restores it for the recomputation, and puts the later state back afterwards"."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    results = []
+    for wrapped in (False, True):
+        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        out = checkpoint(layer, x, use_reentrant=False) if wrapped else layer(x)
+        out.sum().backward()
+        results.append(([p.grad.clone() for p in layer.parameters()], torch.get_rng_state()))
+    (plain, plain_rng), (mine, mine_rng) = results
+    assert all(torch.equal(a, b) for a, b in zip(plain, mine, strict=True))
+    assert torch.equal(plain_rng, mine_rng)
+
+
+def test_the_readmes_activation_bytes_are_what_autograd_keeps():
+    """05 README: "a forward keeps 205,828 bytes, of which each block keeps 48,256.
+    Checkpointed, a block keeps its input instead, 1,536 bytes: 112,388 bytes kept with every
+    other block checkpointed, 18,948 with all four" (the test's 4-block model, width 16,
+    3 x 8 tokens, dropout 0.2), counted with a saved-tensors hook and torch's wrapper."""
+    from gpt import GPT, GPTConfig
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    config = GPTConfig(vocab_size=29, block_size=8, n_layer=4, n_head=2, n_embd=16, dropout=0.2)
+    tokens = torch.randint(0, 29, (3, 9), generator=torch.Generator().manual_seed(1))
+
+    def kept(every: int | None, inside: int | None = None) -> int:
+        model = GPT(config, seed=0).train()
+        total, active = [0], [inside is None]
+        if inside is not None:
+            model.blocks[inside].register_forward_pre_hook(lambda *_: active.__setitem__(0, 1))
+            model.blocks[inside].register_forward_hook(lambda *_: active.__setitem__(0, 0))
+        for index in range(every - 1, 4, every) if every else ():
+            model.blocks[index] = checkpoint_wrapper(model.blocks[index])
+
+        def pack(tensor):
+            total[0] += tensor.numel() * tensor.element_size() if active[0] else 0
+            return tensor
+
+        torch.manual_seed(5)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(tokens[:, :-1], tokens[:, 1:])
+        return total[0]
+
+    assert (kept(None), kept(None, inside=0)) == (205_828, 48_256)
+    assert (kept(2), kept(1)) == (112_388, 18_948)
+    assert 3 * 8 * 16 * 4 == 1_536  # a block's input: batch x tokens x width float32s

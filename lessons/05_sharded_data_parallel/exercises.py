@@ -287,3 +287,35 @@ class Zero3Blocks(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("task5_5: each block's gather-and-run under checkpoint")
 # --8<-- [end:Zero3Blocks]
+
+
+# --8<-- [start:checkpoint_blocks]
+def checkpoint_blocks(model: nn.Module, every: int = 1) -> nn.Module:
+    """Activation checkpointing for every ``every``-th block of ``model.blocks``: blocks
+    ``every - 1``, ``2 every - 1``, ... (all of them for 1), as torchtitan's
+    ``selective_ac_option`` counts them.
+
+    Replace each of those blocks, in place, by the block wrapped so that its forward keeps only
+    its input for the backward, and the backward runs the block's forward again to get the
+    rest. Return ``model``. torch's ``checkpoint_wrapper`` (from
+    ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, what torchtitan applies
+    before ``fully_shard``) does it; so does ``torch.utils.checkpoint.checkpoint`` in a module
+    of your own, if it keeps the contract:
+
+    - the non-reentrant variant (``use_reentrant=False``): the reentrant one gives a block's
+      parameters no gradient when the block's input needs none (frozen embeddings);
+    - the recomputation draws the forward's dropout masks (``preserve_rng_state=True``, the
+      default), and the global generator ends where it would have without checkpointing;
+    - ``model.state_dict()`` keeps its keys, so that a state saved without checkpointing loads
+      with it (``checkpoint_wrapper`` takes its ``_checkpoint_wrapped_module.`` out of them);
+    - ``every < 1`` raises ValueError; an ``every`` past the last block wraps none.
+
+    The test compares the loss, every gradient and the generator's state after a step with
+    dropout against the model unwrapped, for 1 to 4 blocks and ``every`` from 1 to 5; counts each
+    block's forwards (two for a checkpointed block, one for the others) and the bytes autograd
+    keeps (the unwrapped model's, less what each checkpointed block keeps inside, plus its
+    input); freezes the embeddings; loads an unwrapped model's state dict; and shards the
+    wrapped model with ``fully_shard`` on 2 ranks.
+    """
+    raise NotImplementedError("task5_6: wrap every every-th block with checkpoint_wrapper")
+# --8<-- [end:checkpoint_blocks]
