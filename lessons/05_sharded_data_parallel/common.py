@@ -209,6 +209,22 @@ def build_hand_zero(ex, method: str, model: nn.Module, optimizer: str):
     return wrapper(model.parameters(), optimizer_class, **settings)
 
 
+def hybrid_sharded(model: nn.Module, replicas: int) -> nn.Module:
+    """HSDP with torch's own fully_shard (no exercise): a (replicate, shard) mesh of
+    ``replicas`` rows, each block sharded over a row's ranks and replicated down the columns,
+    then the root."""
+    import torch.distributed as dist
+    from gpt import run
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device.type
+    mesh = run.device_mesh(device, (replicas, dist.get_world_size() // replicas),
+                           ("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def sharded_by(ex, model: nn.Module, **options) -> nn.Module:
     """``ex.shard_model(model, **options)``, with a hint when FSDP refuses what it was given."""
     try:
@@ -224,7 +240,8 @@ def sharded_by(ex, model: nn.Module, **options) -> nn.Module:
 
 def train_beside_ddp(ctx, method: str, optimizer: str, steps: int, model_name: str = "gpt", *,
                      uneven: bool = False):
-    """``steps`` steps of ``method`` ("zero1", "zero2" or "fsdp") next to DDP, on the test
+    """``steps`` steps of ``method`` ("zero1", "zero2", "fsdp", or "hsdp": torch's own
+    fully_shard on a 2 x W/2 mesh, no exercise) next to DDP, on the test
     model ``model_name`` (see MODELS), each rank reading its share (``uneven``: shares of
     different sizes). Returns every step's whole parameters of both, and of the method: what a
     rank holds after the backward of step 2 (when parameters, gradients and optimizer state all
@@ -237,8 +254,8 @@ def train_beside_ddp(ctx, method: str, optimizer: str, steps: int, model_name: s
         reference = ddp_of(MODELS[model_name]().to(ctx.device), ctx)
         reference_optimizer = optimizer_class(reference.parameters(), **settings)
         model = MODELS[model_name]().to(ctx.device)
-        if method == "fsdp":
-            model = sharded_by(ex, model)
+        if method in ("fsdp", "hsdp"):
+            model = sharded_by(ex, model) if method == "fsdp" else hybrid_sharded(model, 2)
             sharded = optimizer_class(model.parameters(), **settings)
         else:
             sharded = build_hand_zero(ex, method, model, optimizer)
@@ -252,7 +269,7 @@ def train_beside_ddp(ctx, method: str, optimizer: str, steps: int, model_name: s
             whole_grads_peak[0] = max(whole_grads_peak[0], whole_gradient_bytes())
 
         hooks = [p.register_post_accumulate_grad_hook(note_whole_gradients)
-                 for p in model.parameters()] if method != "fsdp" else []
+                 for p in model.parameters()] if method not in ("fsdp", "hsdp") else []
         result = {"start": whole_parameters(model), "method": [], "ddp": [], "held": None,
                   "optimizer_held": None, "log": None}
         try:

@@ -43,12 +43,14 @@ from lesson05.common import (
     STEPS,
     TRAIN_ONE_EPOCH,
     assert_holds_the_formula,
+    assert_same_as_ddp,
     ddp_of,
     expected_bytes,
     kb,
     make_gpt,
     my_share,
     num_params,
+    train_beside_ddp,
     whole_parameters,
 )
 
@@ -160,6 +162,27 @@ def test_torchs_zero_redundancy_optimizer_is_zero1_by_whole_parameters(world):
             f"rank {rank}: ZeroRedundancyOptimizer broadcast {result['broadcast_per_step']} bytes "
             f"in its steps, not the whole model ({4 * psi}) in each")
     assert sum(r["state"] for r in results) == ADAM_STATE_BYTES * psi
+
+
+def test_hybrid_sharding_trains_what_ddp_trains_and_all_reduces_only_the_shards():
+    """The text, hybrid sharding: fully_shard on a 2 x 2 (replicate, shard) mesh takes DDP's
+    steps on 4 ranks; a step all-gathers and reduce-scatters within a row, as FSDP on 2 ranks
+    (each parameter's first dimension padded to a multiple of 2), and the only collective
+    between the rows is the all-reduce of each rank's reduced shard: half the padded model."""
+    model = make_gpt()
+    padded = sum(4 * -(-p.shape[0] // 2) * 2 * p[0].numel() for p in model.parameters())
+    blocks = sum(4 * -(-p.shape[0] // 2) * 2 * p[0].numel() for p in model.blocks.parameters())
+    for rank, result in enumerate(run_on_ranks(train_beside_ddp, "hsdp", "adamw", STEPS,
+                                               world_size=4)):
+        assert_same_as_ddp(result, rank, 4, "hsdp")
+        calls = result["log"]["calls"]
+        payload = {op: sum(b for o, b in calls if o == op) for op, _ in calls}
+        assert payload == {"all_gather": padded + blocks, "reduce_scatter": padded,
+                           "all_reduce": padded // 2}, (
+            f"rank {rank}: a step of HSDP moved {result['log']['summary']}; expected the root "
+            f"and every block gathered once, the blocks again for the backward ({padded + blocks} "
+            f"bytes), the gradients reduce-scattered in the row ({padded}) and the shards "
+            f"all-reduced down the column ({padded // 2})")
 
 
 def root_after_forward(ctx, reshard):
