@@ -36,8 +36,9 @@ CLAUSES = {
         "return model": ["test_checkpointed_blocks_run_twice_and_the_step_is_the_same"],
         "every=1 by default: all of them":
             ["test_checkpointed_blocks_run_twice_and_the_step_is_the_same"],
-        "the non-reentrant variant (use_reentrant=False)":
-            ["test_gradients_reach_every_block_when_the_embeddings_are_frozen"],
+        "the non-reentrant variant (use_reentrant=False)": [
+            "test_gradients_reach_every_block_when_the_embeddings_are_frozen",
+            "test_torch_autograd_grad_reaches_through_the_checkpointed_blocks"],
         "the recomputation draws the forward's dropout masks": [
             "test_checkpointed_blocks_run_twice_and_the_step_is_the_same",
             "test_the_checkpointed_blocks_for_any_depth_and_spacing"],
@@ -46,8 +47,9 @@ CLAUSES = {
         "model.state_dict() keeps its keys":
             ["test_a_state_saved_without_checkpointing_loads_with_it"],
         "every < 1 raises ValueError": ["test_checkpoint_blocks_refuses_every_below_1"],
-        "an every past the last block wraps none":
-            ["test_the_checkpointed_blocks_for_any_depth_and_spacing"],
+        "an every past the last block wraps none": [
+            "test_checkpointed_blocks_run_twice_and_the_step_is_the_same",
+            "test_the_checkpointed_blocks_for_any_depth_and_spacing"],
         "shards the wrapped model with fully_shard on 2 ranks":
             ["test_a_checkpointed_model_shards_with_fully_shard"],
     },
@@ -136,7 +138,7 @@ def wrapped_indices(model, blocks) -> list[int]:
 
 
 @pytest.mark.task5_6
-@pytest.mark.parametrize("every", [None, 2], ids=["default", "every-2"])
+@pytest.mark.parametrize("every", [None, 2, 5], ids=["default", "every-2", "past-the-last"])
 def test_checkpointed_blocks_run_twice_and_the_step_is_the_same(ex, every):
     model, returned, forwards, blocks, names = checkpointed(ex, every)
     call = ("checkpoint_blocks(a 4-block GPT), every's default" if every is None
@@ -170,7 +172,9 @@ def test_the_checkpointed_blocks_for_any_depth_and_spacing(ex, layers, every):
 
 def kept_bytes(model, inside=None) -> int:
     """The bytes autograd keeps for the backward during one forward: what its saved-tensor hook
-    is handed. ``inside``: count only what block ``inside`` saves."""
+    is handed, less the parameters (a linear layer keeps its weight too, which costs nothing
+    more). ``inside``: count only what block ``inside`` saves."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     total, active = [0], [inside is None]
     hooks = []
     if inside is not None:
@@ -179,7 +183,7 @@ def kept_bytes(model, inside=None) -> int:
                  block.register_forward_hook(lambda *_: active.__setitem__(0, False))]
 
     def pack(tensor):
-        if active[0]:
+        if active[0] and tensor.untyped_storage().data_ptr() not in parameters:
             total[0] += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -230,6 +234,25 @@ def test_gradients_reach_every_block_when_the_embeddings_are_frozen(ex):
         f"with the embeddings frozen, {none[:2]} got no gradient: the reentrant checkpoint "
         f"(use_reentrant=True, or CheckpointImpl.REENTRANT) drops a block's parameters when its "
         f"input needs no gradient; use the non-reentrant one (use_reentrant=False)")
+
+
+@pytest.mark.task5_6
+def test_torch_autograd_grad_reaches_through_the_checkpointed_blocks(ex):
+    """torch.autograd.grad (and backward(inputs=...)) ask for some gradients only; the
+    reentrant checkpoint supports backward() alone, even where its input was made to need a
+    gradient so that the frozen-embeddings case passes."""
+    model, *_, names = checkpointed(ex, 1)
+    inputs, targets = batch()
+    _, loss = model.train()(inputs, targets)
+    parameters = list(model.blocks[0].parameters())
+    try:
+        grads = torch.autograd.grad(loss, parameters)
+    except RuntimeError as error:
+        raise AssertionError(
+            f"torch.autograd.grad through the checkpointed blocks raised: {error}; the "
+            f"reentrant checkpoint (use_reentrant=True, or CheckpointImpl.REENTRANT) supports "
+            f".backward() alone: use the non-reentrant one (use_reentrant=False)") from None
+    assert all(g is not None for g in grads)
 
 
 @pytest.mark.task5_6

@@ -21,15 +21,22 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# Before any group exists: DDP imports torch.distributed.nn on first use, and its functions then
+# keep the group as a default argument, so that destroy_process_group cannot free it and the
+# process may abort at exit ("terminate called without an active exception"). The scripts that
+# import this one (ddp_costs.py, scaling.py, moe_costs.py) get it too.
+import torch.distributed.nn  # noqa: F401
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
+from gpt import run  # noqa: E402 - the plumbing every script shares: run.setup joins the group
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names now warn);
@@ -40,37 +47,6 @@ RING_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "all_gather": lambda w: 
                "reduce_scatter": lambda w: (w - 1) / w, "broadcast": lambda w: 1.0}
 COLUMNS = ("op", "backend", "world_size", "bytes", "seconds", "algbw_GBps", "busbw_GBps",
            "predicted_seconds")
-
-
-def setup(backend: str) -> tuple[int, int, torch.device]:
-    """Join torchrun's group (or make a group of one): rank, world size, this rank's device.
-
-    torch.distributed.nn is imported before the group exists: DDP imports it on first use, and
-    its functions then keep the group as a default argument, so that destroy_process_group
-    cannot free it and the process may abort at exit ("terminate called without an active
-    exception")."""
-    import torch.distributed.nn  # noqa: F401
-
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if backend == "auto":  # nccl when every local rank can have a GPU of its own
-        backend = "nccl" if 0 < local_ranks <= torch.cuda.device_count() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise SystemExit("--backend nccl needs a GPU on every rank; this machine has none")
-    limit = datetime.timedelta(seconds=60)  # a stuck collective becomes an error
-    if "RANK" in os.environ:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if backend == "nccl" and local_rank >= torch.cuda.device_count():
-            raise SystemExit(f"local rank {local_rank} has no GPU: this node has "
-                             f"{torch.cuda.device_count()}; start at most that many processes")
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=limit)
-    else:
-        device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=limit)
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 def _call(op: str, payload: torch.Tensor, piece: torch.Tensor) -> None:
@@ -209,7 +185,10 @@ def main(argv=None) -> int:
               f"0 < --min-bytes <= --max-bytes, --steps >= 1, --repeats >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    rank, world, device = setup(args.backend)
+    try:
+        rank, world, device = run.setup(args.backend, __file__)
+    except ValueError as err:  # a partial launcher environment, nccl without a GPU per rank
+        return run.refuse(__file__, err)
     if world < 2:
         if rank == 0:
             print("error: a collective on one rank moves nothing; start 2 or more with "

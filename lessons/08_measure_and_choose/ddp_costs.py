@@ -36,11 +36,10 @@ import torch.distributed as dist  # noqa: E402
 from bench_collectives import (  # noqa: E402
     fit_alpha_beta,
     predict_allreduce_seconds,
-    setup,
     synchronize,
     time_collective,
 )
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig, run  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -166,7 +165,10 @@ def main(argv=None) -> int:
     chosen = names if args.settings == "all" else [
         names[int(i)] for i in args.settings.split(",")]
     torch.set_num_threads(args.threads)
-    rank, world, device = setup(args.backend)
+    try:
+        rank, world, device = run.setup(args.backend, __file__)
+    except ValueError as err:  # a partial launcher environment, nccl without a GPU per rank
+        return run.refuse(__file__, err)
     if world < 2:
         if rank == 0:
             print("error: DDP on one rank sends nothing; start 2 or more with "

@@ -26,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this lesson's scripts
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_collectives import setup  # noqa: E402
 from ddp_costs import bf16_allreduce, measure  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig, run  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 
@@ -60,7 +59,10 @@ def main(argv=None) -> int:
     parser.add_argument("--result", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one core per rank; the single process gets one core too
-    rank, world, device = setup("gloo")
+    try:
+        rank, world, device = run.setup("gloo", __file__)
+    except ValueError as err:  # a partial launcher environment, nccl without a GPU per rank
+        return run.refuse(__file__, err)
     if world != 2 or args.batch_size % 2:
         if rank == 0:
             print("error: run on exactly 2 ranks (torchrun --nproc-per-node=2), with an even "

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # lessons/, where gpt/ lives
 sys.path.insert(0, str(HERE.parent / "08_measure_and_choose"))  # lesson 08's benchmark
-from bench_collectives import fit_alpha_beta, setup, sizes_between, time_collective  # noqa: E402
+from bench_collectives import fit_alpha_beta, sizes_between, time_collective  # noqa: E402
 from gpt import GPTConfig, run  # noqa: E402 - the plumbing every script shares
 from moe import split_parameters  # noqa: E402 - lesson 11's layer
 from train_ep import moe_gpt, sync_gradients  # noqa: E402 - lesson 11's model and its sync
@@ -135,7 +135,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    rank, world, device = setup(args.backend)
+    try:
+        rank, world, device = run.setup(args.backend, __file__)
+    except ValueError as err:  # a partial launcher environment, nccl without a GPU per rank
+        return run.refuse(__file__, err)
     share = -(-len(run.windows("tiny")[1]) // world)  # a rank's training windows
     if (world < 2 or args.experts % world or not 1 <= args.k <= args.experts
             or args.batch_size > share):  # (no full batch: the training loop would never end)

@@ -413,7 +413,8 @@ def checkpoint_blocks(model: nn.Module, every: int = 1) -> nn.Module:
     of your own, if it keeps the contract:
 
     - the non-reentrant variant (``use_reentrant=False``): the reentrant one gives a block's
-      parameters no gradient when the block's input needs none (frozen embeddings);
+      parameters no gradient when the block's input needs none (frozen embeddings), and
+      refuses ``torch.autograd.grad``;
     - the recomputation draws the forward's dropout masks (``preserve_rng_state=True``, the
       default), and the global generator ends where it would have without checkpointing;
     - ``model.state_dict()`` keeps its keys, so that a state saved without checkpointing loads
@@ -424,8 +425,8 @@ def checkpoint_blocks(model: nn.Module, every: int = 1) -> nn.Module:
     dropout against the model unwrapped, for 1 to 4 blocks and ``every`` from 1 to 5; counts each
     block's forwards (two for a checkpointed block, one for the others) and the bytes autograd
     keeps (the unwrapped model's, less what each checkpointed block keeps inside, plus its
-    input); freezes the embeddings; loads an unwrapped model's state dict; and shards the
-    wrapped model with ``fully_shard`` on 2 ranks.
+    input); freezes the embeddings; asks ``torch.autograd.grad``; loads an unwrapped model's
+    state dict; and shards the wrapped model with ``fully_shard`` on 2 ranks.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
