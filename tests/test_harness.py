@@ -535,6 +535,24 @@ def collectives_counted(ctx):
             "gathered_freed": not log.of("all_gather")[0].alive()}
 
 
+def collective_group_sizes(ctx):
+    from harness.collectives import CollectiveLog
+
+    pair = dist.new_group([0, 1])
+    alone = [dist.new_group([rank]) for rank in range(ctx.world_size)][ctx.rank]
+    with CollectiveLog() as log:
+        dist.all_reduce(torch.ones(2))  # the default group
+        dist.all_reduce(torch.ones(2), group=alone)  # by keyword
+        if ctx.rank < 2:
+            dist.all_reduce(torch.ones(2), dist.ReduceOp.SUM, pair)  # by position
+    return [call.ranks for call in log.calls]
+
+
+def test_collective_log_records_the_size_of_each_call_s_group():
+    for rank, sizes in enumerate(run_on_ranks(collective_group_sizes, world_size=3)):
+        assert sizes == ([3, 1, 2] if rank < 2 else [3, 1]), (rank, sizes)
+
+
 def all_reduces_dispatched(ctx):
     from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 

@@ -422,3 +422,107 @@ def accumulate_beside_ddp(ctx, method: str, micro_batches: int, steps: int = 2, 
             if hasattr(sharded, "remove"):
                 sharded.remove()
         return result
+
+
+# -- FSDP2's schedule: which all-gather starts when (the prefetching section, task5_7)
+
+class Timeline:
+    """What a step of a :class:`Tower` does, in order: each collective (``AG2``: block 2's
+    all-gather, ``RS2``: its reduce-scatter, told apart by their sizes, which differ from block
+    to block) and each moment a block's computation begins (``F2``: its forward, ``B2``: its
+    backward), as :meth:`events` lists them."""
+
+    def __init__(self):
+        self.log = CollectiveLog()
+        self.marks: list[tuple[int, str]] = []  # (collectives recorded before it, "F2")
+
+    def mark(self, name: str) -> None:
+        self.marks.append((len(self.log.calls), name))
+
+    def events(self, tower: nn.Module, world: int) -> list[str]:
+        block_of = {}
+        for index, block in enumerate(tower.blocks):
+            payload = 4 * sum(tower.padded_numel(p, world) for p in block.parameters())
+            block_of[payload] = index
+        names = {"all_gather": "AG", "reduce_scatter": "RS"}
+        calls = [f"{names.get(call.op, call.op)}{block_of.get(call.payload, '?')}"
+                 for call in self.log.calls]
+        events, done = [], 0
+        for position, name in self.marks:
+            events += calls[done:position] + [name]
+            done = position
+        return events + calls[done:]
+
+
+class Marked(torch.autograd.Function):
+    """The identity, which marks ``name`` on the timeline when its backward runs: placed last in
+    a block's forward, that is the moment the block's backward begins, just after FSDP's own
+    hook on the block's output has all-gathered what it needs."""
+
+    @staticmethod
+    def forward(ctx, x, timeline, name):
+        ctx.timeline, ctx.name = timeline, name
+        return x.clone()  # not a view: FSDP hooks the block's output
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.timeline.mark(ctx.name)
+        return grad, None, None
+
+
+class TowerBlock(nn.Module):
+    """A residual MLP whose hidden width is ``2 + index``: every block a different size."""
+
+    def __init__(self, index: int, width: int, timeline: Timeline):
+        super().__init__()
+        self.index, self.timeline = index, timeline
+        self.up, self.down = nn.Linear(width, 2 + index), nn.Linear(2 + index, width)
+
+    def forward(self, x):
+        self.timeline.mark(f"F{self.index}")
+        return Marked.apply(x + self.down(self.up(x).tanh()), self.timeline, f"B{self.index}")
+
+
+class Tower(nn.Module):
+    """``depth`` blocks of different sizes and nothing else, so that the root's own group is
+    empty and every collective of a step is a block's: ``AG0 F0 AG1 F1 ...`` says when each
+    block's all-gather starts, relative to the blocks' computation."""
+
+    def __init__(self, depth: int, width: int = 4):
+        super().__init__()
+        self.timeline = Timeline()
+        torch.manual_seed(depth)
+        self.blocks = nn.ModuleList(TowerBlock(i, width, self.timeline) for i in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    @staticmethod
+    def padded_numel(param: torch.Tensor, world: int) -> int:
+        return -(-param.shape[0] // world) * world * param[0].numel()
+
+
+def tower_step(ctx, depth: int, prefetching=None, reshard_after_forward=True) -> dict:
+    """A forward and a backward of a :class:`Tower` sharded with ``fully_shard`` block by block,
+    then the root; ``prefetching(blocks)`` (if given) sets the schedule before the step. The
+    step's events, each collective's group size, the elements of each block this rank holds
+    between the forward and the backward, and the whole gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    tower = Tower(depth)
+    for block in tower.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(tower)
+    if prefetching is not None:
+        prefetching(list(tower.blocks))
+    timeline = tower.timeline
+    with timeline.log:
+        out = tower(torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.rank)))
+        held = [sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                    for p in block.parameters()) for block in tower.blocks]
+        out.sum().backward()
+    return {"events": timeline.events(tower, ctx.world_size), "held_after_forward": held,
+            "ranks": [(call.op, call.ranks) for call in timeline.log.calls],
+            "grads": [p.grad.full_tensor() for p in tower.parameters()]}

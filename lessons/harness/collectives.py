@@ -7,6 +7,7 @@
     log.payload("reduce_scatter")    # bytes of the whole tensors reduce-scattered
     log.count("all_gather")          # how many all-gathers ran
     log.ring_bytes(world_size)       # bytes one rank sends, by the ring formulas below
+    log.calls[0].ranks               # how many ranks the first one's group has
 
 The *payload* of a collective is the size of the one tensor it is about: an all-reduce's tensor,
 an all-gather's output (the gathered whole), a reduce-scatter's input (the whole before
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
 import weakref
 
@@ -77,6 +79,7 @@ class Call:
     payload: int  # bytes, see the module docstring
     dtype: torch.dtype | None
     async_op: bool
+    ranks: int = 0  # how many ranks the collective's group has (0: not known)
     # A weak reference to the payload's tensor (one tensor, not a list): whether the program
     # still holds, say, an all-gather's output after the call can be asked later.
     ref: weakref.ref | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -118,6 +121,16 @@ def _payload(kind: int, args, kwargs) -> tuple[int, torch.dtype | None, weakref.
         return _nbytes(tensor), tensor.dtype, weakref.ref(tensor)
     first = next(iter(tensor), None)
     return _nbytes(tensor), getattr(first, "dtype", None), None
+
+
+def _group_size(function, args, kwargs) -> int:
+    """The number of ranks in the group a collective is called on (the default group's when
+    none is given), or 0 where the arguments do not say."""
+    try:
+        group = inspect.signature(function).bind(*args, **kwargs).arguments.get("group")
+        return dist.get_world_size(group)
+    except (TypeError, ValueError, RuntimeError):
+        return 0
 
 
 class CollectiveLog:
@@ -182,7 +195,8 @@ class CollectiveLog:
             if getattr(self._inside, "depth", 0):  # called by another collective: counted there
                 return function(*args, **kwargs)
             payload, dtype, ref = _payload(kind, args, kwargs)
-            self.calls.append(Call(op, name, payload, dtype, bool(kwargs.get("async_op")), ref))
+            self.calls.append(Call(op, name, payload, dtype, bool(kwargs.get("async_op")),
+                                   _group_size(function, args, kwargs), ref))
             self._inside.depth = 1
             try:
                 return function(*args, **kwargs)
