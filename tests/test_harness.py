@@ -514,6 +514,24 @@ def test_held_bytes_does_not_walk_into_globals():
 GLOBAL_TENSOR = torch.zeros(1000)
 
 
+def test_allocation_peak_is_the_most_bytes_alive_at_once():
+    from harness.memory import AllocationPeak
+
+    with AllocationPeak() as peak:
+        first = torch.ones(1000)  # 4 kB
+        del first
+        kept = [torch.ones(500), torch.ones(250)]  # 3 kB together
+        view = kept[0][:10]  # no new storage
+        kept[0] = None  # its storage lives on in the view
+    assert peak.bytes == 4000, peak.bytes
+    assert peak.live_bytes() == 3000, peak.live_bytes()
+    del view
+    assert peak.live_bytes() == 1000, peak.live_bytes()
+    with AllocationPeak() as both:
+        together = [torch.ones(1000), torch.ones(500)]
+    assert both.bytes == 6000 and len(together) == 2, both.bytes
+
+
 # ----------------------------------------------------------------------------- collectives
 
 

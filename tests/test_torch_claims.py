@@ -24,6 +24,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from gpt import GPT, GPTConfig
 from torch import nn
 from torch.distributed import constants, run
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
@@ -32,7 +33,9 @@ from torch.utils.data import DistributedSampler
 
 from harness.exercises import REPO_ROOT
 from harness.launch import LAUNCHERS
+from harness.memory import AllocationPeak
 from harness.ranks import run_on_ranks
+from lesson05.common import Tower, tower_step
 
 
 def torchrun_args(*flags: str):
@@ -1525,3 +1528,101 @@ def test_the_readmes_activation_bytes_are_what_autograd_keeps():
     assert (kept(None), kept(None, inside=0)) == (153_668, 35_712)
     assert (kept(2), kept(1)) == (85_316, 16_964)
     assert 3 * 8 * 16 * 4 == 1_536  # a block's input: batch x tokens x width float32s
+
+
+# -- lesson 05: FSDP2's schedule and the meta device, on gloo
+
+# The timelines the text shows: F2/B2, block 2's forward/backward begins; AG2/RS2, its
+# all-gather/reduce-scatter starts.
+DEFAULT_TIMELINE = "AG0 F0 AG1 F1 AG2 F2 AG3 F3 AG3 AG2 B3 RS3 AG1 B2 RS2 AG0 B1 RS1 B0 RS0"
+PREFETCHED_TIMELINE = "AG0 AG1 F0 AG2 F1 AG3 F2 F3 AG3 AG2 AG1 B3 RS3 AG0 B2 RS2 B1 RS1 B0 RS0"
+KEPT_TIMELINE = "AG0 F0 AG1 F1 AG2 F2 AG3 F3 B3 RS3 B2 RS2 B1 RS1 B0 RS0"
+
+
+def explicit_prefetching(blocks):
+    """The text's example: one block ahead in the forward, two in the backward."""
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
+
+
+def the_texts_timelines(ctx) -> dict:
+    return {"plain": tower_step(ctx, 4), "default": tower_step(ctx, 4),
+            "explicit": tower_step(ctx, 4, explicit_prefetching),
+            "kept": tower_step(ctx, 4, None, False)}
+
+
+def test_when_fsdp_starts_each_all_gather():
+    """05 README, "When each all-gather starts": by default FSDP2 issues a block's all-gather
+    when the block's forward is reached and, in the backward, one block ahead; explicit
+    prefetching issues them earlier; reshard_after_forward=False leaves the backward none to
+    issue. The same gradients in all three."""
+    want = {"default": DEFAULT_TIMELINE, "explicit": PREFETCHED_TIMELINE, "kept": KEPT_TIMELINE}
+    for rank, runs in enumerate(run_on_ranks(the_texts_timelines, world_size=2)):
+        for case, timeline in want.items():
+            assert " ".join(runs[case]["events"]) == timeline, (rank, case, runs[case]["events"])
+            for grad, plain in zip(runs[case]["grads"], runs["plain"]["grads"], strict=True):
+                assert torch.equal(grad, plain), (rank, case)
+
+
+def test_an_int_reshard_after_forward_gathers_the_backward_from_fewer_ranks():
+    """05 README, "`reshard_after_forward` can be an int": 2 on 4 ranks keeps half of each
+    block after its forward (rank 0: twice its shard's rows) and all-gathers the backward's
+    parameters within pairs of ranks; the forward's all-gathers and the reduce-scatters still
+    span all 4. The same gradients as True, bit for bit."""
+    plain = run_on_ranks(tower_step, 2, world_size=4)
+    runs = run_on_ranks(tower_step, 2, None, 2, world_size=4)
+    blocks = Tower(2).blocks
+    for k, got in ((4, plain[0]), (2, runs[0])):  # rank 0 holds the first, fullest rows
+        want = [sum(-(-p.shape[0] // k) * p[0].numel() for p in block.parameters())
+                for block in blocks]
+        assert got["held_after_forward"] == want, (k, got["held_after_forward"], want)
+    for rank, (got, base) in enumerate(zip(runs, plain, strict=True)):
+        assert " ".join(got["events"]) == " ".join(base["events"]), rank
+        gathers = [ranks for op, ranks in got["ranks"] if op == "all_gather"]
+        scatters = [ranks for op, ranks in got["ranks"] if op == "reduce_scatter"]
+        assert gathers == [4, 4, 2, 2] and scatters == [4, 4], (rank, got["ranks"])
+        for grad, base_grad in zip(got["grads"], base["grads"], strict=True):
+            assert torch.equal(grad, base_grad), rank  # a gather copies; nothing is summed
+
+
+def build_peaks(ctx) -> dict:
+    """05 README, the meta device: the most bytes a rank holds while building a deep,
+    narrow GPT, eagerly then sharded, and on the meta device then materialised; its shards."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    config = GPTConfig(vocab_size=29, block_size=8, n_layer=6, n_head=2, n_embd=16, bias=True)
+    peaks = {}
+    for how in ("eager", "meta"):
+        with AllocationPeak() as peak:
+            with torch.device("meta" if how == "meta" else "cpu"):
+                model = GPT(config, seed=0)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            if how == "meta":
+                model.to_empty(device="cpu")
+                with implicit_replication():
+                    model.init_weights(torch.Generator().manual_seed(0))
+        peaks[how] = peak.bytes
+        if how == "meta":
+            eager = GPT(config, seed=0)
+            peaks["equal"] = all(torch.equal(p.full_tensor(), q) for p, q in
+                                 zip(model.parameters(), eager.parameters(), strict=True))
+    storages = {p.to_local().untyped_storage().data_ptr(): p.to_local().untyped_storage().nbytes()
+                for p in model.parameters()}
+    return {**peaks, "shards": sum(storages.values()),
+            "whole": sum(4 * p.numel() for p in GPT(config).parameters()),
+            "largest": max(4 * p.numel() for p in GPT(config).parameters())}
+
+
+def test_a_model_built_on_the_meta_device_peaks_at_its_shards():
+    """05 README, "the meta device": on 2 ranks, a 6-block GPT of 83 kB peaks at 91 kB
+    built eagerly and at 50 kB built on meta (42 kB of shards, and a weight drawn and scaled),
+    and equals the eager build."""
+    got = run_on_ranks(build_peaks, world_size=2)[0]
+    kb_ = {name: round(got[name] / 1000) for name in ("eager", "meta", "shards", "whole")}
+    assert kb_ == {"eager": 91, "meta": 50, "shards": 42, "whole": 83}, (kb_, got)
+    assert got["meta"] <= got["shards"] + 3 * got["largest"] < got["whole"], got
+    assert got["equal"], "the meta-built model differs from the eager one"

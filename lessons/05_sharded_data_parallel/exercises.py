@@ -346,3 +346,28 @@ def prefetch(blocks: list[nn.Module], forward: int = 1, backward: int = 1) -> No
     """
     raise NotImplementedError("task5_7: set each block's forward and backward prefetch lists")
 # --8<-- [end:prefetch]
+
+
+# --8<-- [start:build_sharded]
+def build_sharded(config, seed: int = 0, device: str = "cpu") -> nn.Module:
+    """The running example built sharded from the start, for a model too large for one rank:
+    each rank allocates only its shards, and the result is ``GPT(config, seed)``, sharded as
+    lesson 05 shards it (``fully_shard`` on each block, then on the model).
+
+    Build the GPT on the meta device (``with torch.device("meta"):``): parameters with shapes
+    and no memory. Shard it there, then ``model.to_empty(device=device)``: each rank allocates
+    its shards, holding whatever was in that memory. Then give them the values an eager build
+    gives them: ``model.init_weights(generator)`` draws each weight whole from a seeded CPU
+    generator, in the eager build's order, and copies it into the parameter; into a sharded
+    parameter (a DTensor) that copy keeps only this rank's rows once the whole tensor is taken
+    as the same on every rank (``torch.distributed.tensor.experimental.implicit_replication``).
+
+    Return the model. The test builds GPTs of generated sizes on 2 and 3 ranks and compares
+    every parameter, gathered, and each rank's rows, with ``GPT(config, seed)``'s; checks that
+    every block and the model are ``fully_shard``-ed; and measures the most bytes a rank holds
+    at once while building (``harness.memory.AllocationPeak``): its shards plus at most three
+    times the largest parameter (a weight's draw, its scaled copy, and slack), never the whole
+    model.
+    """
+    raise NotImplementedError("task5_8: meta device, fully_shard, to_empty, init_weights")
+# --8<-- [end:build_sharded]

@@ -42,7 +42,6 @@ from lesson05.common import (
     SCRIPT,
     STEPS,
     TRAIN_ONE_EPOCH,
-    Tower,
     assert_holds_the_formula,
     assert_same_as_ddp,
     ddp_of,
@@ -51,7 +50,6 @@ from lesson05.common import (
     make_gpt,
     my_share,
     num_params,
-    tower_step,
     train_beside_ddp,
     whole_parameters,
 )
@@ -208,59 +206,6 @@ def test_fsdp_keeps_the_root_gathered_after_forward_unless_told(reshard):
         assert result["root_sharded"] == (reshard is True), (
             f"rank {rank}: after a forward with the root's reshard_after_forward={reshard}, its "
             f"parameters are {'sharded' if result['root_sharded'] else 'gathered'}")
-
-
-# The timelines the text shows: F2/B2, block 2's forward/backward begins; AG2/RS2, its
-# all-gather/reduce-scatter starts.
-DEFAULT_TIMELINE = "AG0 F0 AG1 F1 AG2 F2 AG3 F3 AG3 AG2 B3 RS3 AG1 B2 RS2 AG0 B1 RS1 B0 RS0"
-PREFETCHED_TIMELINE = "AG0 AG1 F0 AG2 F1 AG3 F2 F3 AG3 AG2 AG1 B3 RS3 AG0 B2 RS2 B1 RS1 B0 RS0"
-KEPT_TIMELINE = "AG0 F0 AG1 F1 AG2 F2 AG3 F3 B3 RS3 B2 RS2 B1 RS1 B0 RS0"
-
-
-def explicit_prefetching(blocks):
-    """The text's example: one block ahead in the forward, two in the backward."""
-    for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
-        block.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
-
-
-def the_texts_timelines(ctx) -> dict:
-    return {"plain": tower_step(ctx, 4), "default": tower_step(ctx, 4),
-            "explicit": tower_step(ctx, 4, explicit_prefetching),
-            "kept": tower_step(ctx, 4, None, False)}
-
-
-def test_when_fsdp_starts_each_all_gather():
-    """The text, prefetching: by default FSDP2 issues a block's all-gather when the block's
-    forward is reached and, in the backward, one block ahead; explicit prefetching issues them
-    earlier; reshard_after_forward=False leaves the backward none to issue. Same gradients."""
-    want = {"default": DEFAULT_TIMELINE, "explicit": PREFETCHED_TIMELINE, "kept": KEPT_TIMELINE}
-    for rank, runs in enumerate(run_on_ranks(the_texts_timelines, world_size=2)):
-        for case, timeline in want.items():
-            assert " ".join(runs[case]["events"]) == timeline, (rank, case, runs[case]["events"])
-            for grad, plain in zip(runs[case]["grads"], runs["plain"]["grads"], strict=True):
-                assert torch.equal(grad, plain), (rank, case)
-
-
-def test_an_int_reshard_after_forward_gathers_the_backward_from_fewer_ranks():
-    """The text: reshard_after_forward=2 on 4 ranks keeps half of each block after its forward
-    (rank 0: twice its shard's rows) and all-gathers the backward's parameters within pairs of
-    ranks; the forward's all-gathers and the reduce-scatters still span all 4. The same
-    gradients as True, bit for bit."""
-    plain = run_on_ranks(tower_step, 2, world_size=4)
-    runs = run_on_ranks(tower_step, 2, None, 2, world_size=4)
-    blocks = Tower(2).blocks
-    for k, got in ((4, plain[0]), (2, runs[0])):  # rank 0 holds the first, fullest rows
-        want = [sum(-(-p.shape[0] // k) * p[0].numel() for p in block.parameters())
-                for block in blocks]
-        assert got["held_after_forward"] == want, (k, got["held_after_forward"], want)
-    for rank, (got, base) in enumerate(zip(runs, plain, strict=True)):
-        assert " ".join(got["events"]) == " ".join(base["events"]), rank
-        gathers = [ranks for op, ranks in got["ranks"] if op == "all_gather"]
-        scatters = [ranks for op, ranks in got["ranks"] if op == "reduce_scatter"]
-        assert gathers == [4, 4, 2, 2] and scatters == [4, 4], (rank, got["ranks"])
-        for grad, base_grad in zip(got["grads"], base["grads"], strict=True):
-            assert torch.equal(grad, base_grad), rank  # a gather copies; nothing is summed
 
 
 def fsdp_placements_and_dtypes(ctx):

@@ -99,6 +99,27 @@ assert torch.equal(all_reduced, all_gathered)
 # the forward and again for the backward: 1.5 times DDP's traffic.
 
 # %% [markdown]
+# ## A model that is only shapes: the meta device
+#
+# A model too large for one rank cannot be built whole and sharded afterwards. On the `meta`
+# device a model has shapes and no memory; `to_empty` allocates memory for it (uninitialised),
+# and the running example's `init_weights`, given the same seed, writes the values an eager
+# build has. With `fully_shard` between the two steps each rank allocates only its shards (the
+# README's section on the meta device, and task5_8); here, one process, without sharding:
+
+# %%
+config = GPTConfig.named("tiny", vocab_size=dataset.vocab_size)
+with torch.device("meta"):
+    shapes_only = GPT(config, seed=0)
+weight = shapes_only.blocks[0].mlp.up_proj.weight
+print(f"device {weight.device}, shape {tuple(weight.shape)}, address {weight.data_ptr()}")
+shapes_only.to_empty(device="cpu")
+shapes_only.init_weights(torch.Generator().manual_seed(0))
+same = all(torch.equal(a, b) for a, b in zip(shapes_only.parameters(), GPT(config, seed=0)
+                                              .parameters(), strict=True))
+print("the same values as GPT(config, seed=0):", same)
+
+# %% [markdown]
 # ## 3. FSDP2 on the running example, launched from here
 #
 # A notebook kernel is one process: start the ranks with `torchrun` in a subprocess (lesson 03

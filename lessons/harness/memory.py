@@ -10,6 +10,9 @@ state), so the checks ask what a model, an optimizer or a sharded wrapper holds:
     held_bytes(optimizer, exclude=[model])  # what the optimizer holds beyond the model
     held_tensors(model)                     # the same, one entry per storage, with a path to it
 
+    with AllocationPeak() as peak:          # the most bytes alive at once while code runs
+        model = build()
+
 Every storage is counted once (a view shares its base's), a tensor's ``.grad``, whatever was
 set on a tensor as an attribute, and a DTensor's local shard included. A storage resized to
 nothing (how FSDP frees an unsharded parameter) counts 0, and a meta tensor has no memory.
@@ -27,6 +30,8 @@ import gc
 import types
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,3 +128,43 @@ def _cell_filled(cell) -> bool:
 
 def _name(obj) -> str:
     return type(obj).__name__
+
+
+class AllocationPeak(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once, among the storages created while it is
+    open: a CPU's stand-in for ``torch.cuda.max_memory_allocated`` around one piece of code::
+
+        with AllocationPeak() as peak:
+            model = build()
+        peak.bytes        # the high-water mark; peak.live_bytes(): what is still alive
+
+    It sees every operator torch dispatches (a DTensor's by its local tensor), and a storage
+    counts from the operator that returns it until the last tensor on it is gone, which it
+    asks after every operator. Not seen: storages that existed before (their growth included),
+    and temporaries an operator makes and frees inside itself (a DTensor's redistribution)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self._live: dict[tuple[int, int], object] = {}  # (address, bytes) -> a weak reference
+
+    def live_bytes(self) -> int:
+        self._live = {key: ref for key, ref in self._live.items() if not ref.expired()}
+        return sum(nbytes for _, nbytes in self._live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        self.live_bytes()  # forget the freed first: a new storage may reuse an old address
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's own piece
+                if local.device.type == "meta":
+                    continue
+                storage = local.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                if key[1] and key not in self._live:
+                    self._live[key] = StorageWeakRef(storage)
+        self.bytes = max(self.bytes, self.live_bytes())
+        return out

@@ -1,0 +1,147 @@
+"""Grades task5_8, build_sharded: a GPT built on the meta device, sharded, materialised and
+initialised, against the oracle GPT(config, seed) built eagerly: every parameter gathered and
+each rank's own rows, for generated sizes on 2 and 3 ranks; the fully_shard-ed modules; and the
+most bytes a rank holds at once while building, measured with harness.memory.AllocationPeak.
+
+    pytest lessons/05_sharded_data_parallel -m task5_8
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig
+
+from harness.exercises import load_exercise, raise_if_untouched
+from harness.hardware import needs_gpus
+from harness.memory import AllocationPeak
+from harness.ranks import run_on_ranks
+from harness.sweep import st, sweep
+from lesson05.common import LESSON
+
+# This task's contract, clause by clause, and the tests that fail when only that clause
+# is broken (tests/test_course.py checks the names).
+CLAUSES = {
+    "task5_8": {
+        "the result is GPT(config, seed)": ["test_the_sharded_build_is_the_eager_one",
+                                            "test_the_sharded_build_for_any_size"],
+        "seed=0 by default": ["test_the_sharded_build_is_the_eager_one"],
+        "sharded as lesson 05 shards it: fully_shard on each block, then on the model":
+            ["test_the_sharded_build_is_the_eager_one"],
+        "each rank allocates only its shards, never the whole model":
+            ["test_a_rank_never_holds_the_whole_model"],
+        "on device": ["test_the_sharded_build_on_a_gpu"],
+    },
+}
+
+# Deep and narrow: the whole model (83 kB) is far more than a rank's shards plus a few of its
+# largest parameter (4 kB each), so building it whole shows.
+DEEP = dict(vocab_size=29, block_size=8, n_layer=6, n_head=2, n_embd=16, bias=True)
+SLACK = 3  # whole parameters a rank may hold at once beyond its shards
+
+
+def build_on_rank(ctx, config: dict, seed: int | None, device: str = "cpu") -> dict:
+    """The learner's build, measured; each parameter's rows on this rank against the eager
+    GPT's, and the gathered whole against it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ex = load_exercise(LESSON)
+    with AllocationPeak() as peak:
+        model = (ex.build_sharded(GPTConfig(**config), device=device) if seed is None
+                 else ex.build_sharded(GPTConfig(**config), seed, device=device))
+    eager = GPT(GPTConfig(**config), seed=0 if seed is None else seed)
+    names = [name for name, _ in eager.named_parameters()]
+    mine = dict(model.named_parameters())
+    if sorted(mine) != sorted(names):
+        return {"names": sorted(mine), "want_names": sorted(names)}
+    rows, wholes, shards = {}, {}, {}
+    for name, want in eager.named_parameters():
+        param = mine[name]
+        if not hasattr(param, "to_local"):
+            return {"unsharded": name}
+        local = param.to_local().detach().cpu()
+        expected = torch.chunk(want.detach(), ctx.world_size)
+        expected = expected[ctx.rank] if ctx.rank < len(expected) else want[:0]
+        rows[name] = torch.equal(local, expected)
+        wholes[name] = (param.full_tensor().detach().cpu() - want.detach()).abs().max().item()
+        storage = param.to_local().untyped_storage()
+        shards[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return {"rows": rows, "wholes": wholes, "peak": peak.bytes, "shards": sum(shards.values()),
+            "whole_model": sum(p.numel() * p.element_size() for p in eager.parameters()),
+            "largest": max(p.numel() * p.element_size() for p in eager.parameters()),
+            "fsdp": {name or "the model": isinstance(module, FSDPModule)
+                     for name, module in [("", model), *((f"blocks.{i}", block)
+                                                        for i, block in enumerate(model.blocks))]}}
+
+
+def check_values(results: list[dict], call: str) -> None:
+    first = results[0]
+    if "names" in first:
+        raise AssertionError(f"{call}: the parameters are named {first['names']}; expected "
+                             f"GPT's names {first['want_names']}")
+    if "unsharded" in first:
+        raise AssertionError(f"{call}: {first['unsharded']} is a plain tensor, not a DTensor: "
+                             f"fully_shard every block and the model")
+    for name in first["rows"]:
+        wrong = [rank for rank, got in enumerate(results) if not got["rows"][name]]
+        if not wrong:
+            continue
+        if 0 not in wrong:
+            raise AssertionError(
+                f"{call}: rank 0's rows of {name} are GPT(config, seed)'s, but ranks {wrong}'s "
+                f"are not: every rank must draw the same values, from a generator seeded with "
+                f"seed alone, and keep its own rows")
+        raise AssertionError(
+            f"{call}: rank 0's rows of {name} differ from GPT(config, seed)'s (gathered, by "
+            f"{first['wholes'][name]:.3g}): after to_empty the memory holds whatever was there; "
+            f"initialise it with model.init_weights and a generator seeded with seed, the "
+            f"eager build's values, not a module's own reset_parameters")
+
+
+@pytest.mark.task5_8
+@pytest.mark.parametrize(("world", "seed"), [(2, None), (3, 5)], ids=["2-ranks-seed-default",
+                                                                      "3-ranks-seed-5"])
+def test_the_sharded_build_is_the_eager_one(ex, world, seed):
+    raise_if_untouched(ex.build_sharded)  # "not attempted" here, not on the ranks
+    seeded = "" if seed is None else f", seed={seed}"
+    call = f"build_sharded(a 6-block GPT{seeded}) on {world} ranks"
+    results = run_on_ranks(build_on_rank, DEEP, seed, world_size=world)
+    check_values(results, call)
+    unsharded = [name for name, sharded in results[0]["fsdp"].items() if not sharded]
+    assert not unsharded, (
+        f"{call}: {unsharded} are not fully_shard-ed: shard every block, then the model, each "
+        f"block a group of its own as lesson 05 does")
+
+
+@pytest.mark.task5_8
+@sweep(max_examples=8, layers=st.integers(1, 3), heads=st.sampled_from([1, 2, 5]),
+       vocab=st.integers(2, 40), bias=st.booleans(), world=st.sampled_from([2, 3]))
+def test_the_sharded_build_for_any_size(ex, layers, heads, vocab, bias, world):
+    config = dict(vocab_size=vocab, block_size=4, n_layer=layers, n_head=heads,
+                  n_embd=5 * heads, bias=bias)
+    raise_if_untouched(ex.build_sharded)
+    check_values(run_on_ranks(build_on_rank, config, 1, world_size=world),
+                 f"build_sharded(GPTConfig({config}), 1) on {world} ranks")
+
+
+@pytest.mark.task5_8
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_never_holds_the_whole_model(ex, world):
+    raise_if_untouched(ex.build_sharded)
+    for rank, got in enumerate(run_on_ranks(build_on_rank, DEEP, 0, world_size=world)):
+        allowed = got["shards"] + SLACK * got["largest"]
+        assert got["peak"] <= allowed, (
+            f"rank {rank} of {world}: build_sharded(a 6-block GPT) held {got['peak']:,} bytes "
+            f"at once while building, more than its shards ({got['shards']:,}) and {SLACK} of "
+            f"the largest parameter ({got['largest']:,} each): the whole model is "
+            f"{got['whole_model']:,} bytes. Build on the meta device and call to_empty only "
+            f"after fully_shard, so that no rank ever materialises the whole model")
+
+
+@needs_gpus(1, "build_sharded on a CUDA device")
+@pytest.mark.task5_8
+def test_the_sharded_build_on_a_gpu(ex):
+    raise_if_untouched(ex.build_sharded)
+    results = run_on_ranks(build_on_rank, DEEP, 0, "cuda", world_size=1, backend="nccl",
+                           device="cuda")
+    check_values(results, "build_sharded(a 6-block GPT, device='cuda') on 1 nccl rank")

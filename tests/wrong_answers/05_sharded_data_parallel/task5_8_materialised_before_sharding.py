@@ -1,0 +1,19 @@
+"""Builds on meta but materialises and initialises before fully_shard: the right values, from
+a whole model on every rank."""
+
+TASK = "task5_8"
+EXPECT = r"held [\d,]+ bytes at once while building.*call to_empty only after fully_shard"
+REPLACE = {"build_sharded": [
+    ("    for block in model.blocks:\n"
+     "        fully_shard(block)\n"
+     "    fully_shard(model)\n"
+     "    model.to_empty(device=device)  # this rank's shards, uninitialised\n"
+     "    with implicit_replication():  # a whole plain tensor stands for the same one on every rank\n"
+     "        model.init_weights(torch.Generator().manual_seed(seed))  # the eager build's draws\n",
+     "    model.to_empty(device=device)\n"
+     "    with implicit_replication():\n"
+     "        model.init_weights(torch.Generator().manual_seed(seed))\n"
+     "    for block in model.blocks:\n"
+     "        fully_shard(block)\n"
+     "    fully_shard(model)\n"),
+]}
