@@ -1567,7 +1567,7 @@ def test_when_fsdp_starts_each_all_gather():
 
 def test_an_int_reshard_after_forward_gathers_the_backward_from_fewer_ranks():
     """05 README, "`reshard_after_forward` can be an int": 2 on 4 ranks keeps half of each
-    block after its forward (rank 0: twice its shard's rows) and all-gathers the backward's
+    block after its forward (rank 0: ceil(rows / 2) rows of each) and all-gathers the backward's
     parameters within pairs of ranks; the forward's all-gathers and the reduce-scatters still
     span all 4. The same gradients as True, bit for bit."""
     plain = run_on_ranks(tower_step, 2, world_size=4)

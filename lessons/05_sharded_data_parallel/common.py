@@ -443,9 +443,12 @@ class Timeline:
         block_of = {}
         for index, block in enumerate(tower.blocks):
             payload = 4 * sum(tower.padded_numel(p, world) for p in block.parameters())
+            assert payload not in block_of, f"blocks {block_of[payload]} and {index}: same size"
             block_of[payload] = index
         names = {"all_gather": "AG", "reduce_scatter": "RS"}
-        calls = [f"{names.get(call.op, call.op)}{block_of.get(call.payload, '?')}"
+        unknown = [call for call in self.log.calls if call.payload not in block_of]
+        assert not unknown, f"collectives of no block's size (padded otherwise?): {unknown}"
+        calls = [f"{names.get(call.op, call.op)}{block_of[call.payload]}"
                  for call in self.log.calls]
         events, done = [], 0
         for position, name in self.marks:
@@ -491,8 +494,10 @@ class Tower(nn.Module):
     def __init__(self, depth: int, width: int = 4):
         super().__init__()
         self.timeline = Timeline()
-        torch.manual_seed(depth)
-        self.blocks = nn.ModuleList(TowerBlock(i, width, self.timeline) for i in range(depth))
+        with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
+            torch.manual_seed(depth)
+            self.blocks = nn.ModuleList(TowerBlock(i, width, self.timeline)
+                                        for i in range(depth))
 
     def forward(self, x):
         for block in self.blocks:

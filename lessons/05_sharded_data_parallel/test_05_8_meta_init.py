@@ -28,9 +28,12 @@ CLAUSES = {
         "seed=0 by default": ["test_the_sharded_build_is_the_eager_one"],
         "sharded as lesson 05 shards it: fully_shard on each block, then on the model":
             ["test_the_sharded_build_is_the_eager_one"],
+        "shard it there, then to_empty": ["test_the_sharded_build_is_the_eager_one"],
         "each rank allocates only its shards, never the whole model":
             ["test_a_rank_never_holds_the_whole_model"],
-        "on device": ["test_the_sharded_build_on_a_gpu"],
+        "on a GPU device": "not testable on CPU: with device='cpu' an answer that ignores device "
+                           "lands on the right device by chance; test_the_sharded_build_on_a_gpu "
+                           "checks cuda where one is present",
     },
 }
 
@@ -43,12 +46,24 @@ SLACK = 3  # whole parameters a rank may hold at once beyond its shards
 def build_on_rank(ctx, config: dict, seed: int | None, device: str = "cpu") -> dict:
     """The learner's build, measured; each parameter's rows on this rank against the eager
     GPT's, and the gathered whole against it."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     ex = load_exercise(LESSON)
-    with AllocationPeak() as peak:
-        model = (ex.build_sharded(GPTConfig(**config), device=device) if seed is None
-                 else ex.build_sharded(GPTConfig(**config), seed, device=device))
+    whole = []  # the parameters that were not yet sharded when to_empty gave them memory
+    real_to_empty = torch.nn.Module.to_empty
+
+    def to_empty(module, *args, **kwargs):
+        whole.extend(name for name, param in module.named_parameters()
+                     if not hasattr(param, "to_local"))
+        return real_to_empty(module, *args, **kwargs)
+
+    torch.nn.Module.to_empty = to_empty
+    try:
+        with AllocationPeak() as peak:
+            model = (ex.build_sharded(GPTConfig(**config), device=device) if seed is None
+                     else ex.build_sharded(GPTConfig(**config), seed, device=device))
+    finally:
+        torch.nn.Module.to_empty = real_to_empty
     eager = GPT(GPTConfig(**config), seed=0 if seed is None else seed)
     names = [name for name, _ in eager.named_parameters()]
     mine = dict(model.named_parameters())
@@ -59,6 +74,8 @@ def build_on_rank(ctx, config: dict, seed: int | None, device: str = "cpu") -> d
         param = mine[name]
         if not hasattr(param, "to_local"):
             return {"unsharded": name}
+        if param.to_local().device.type != torch.device(device).type:
+            return {"device": f"{name} is on {param.to_local().device}, not {device}"}
         local = param.to_local().detach().cpu()
         expected = torch.chunk(want.detach(), ctx.world_size)
         expected = expected[ctx.rank] if ctx.rank < len(expected) else want[:0]
@@ -66,7 +83,10 @@ def build_on_rank(ctx, config: dict, seed: int | None, device: str = "cpu") -> d
         wholes[name] = (param.full_tensor().detach().cpu() - want.detach()).abs().max().item()
         storage = param.to_local().untyped_storage()
         shards[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    groups = [fully_shard.state(module) if isinstance(module, FSDPModule) else None
+              for module in (model, *model.blocks)]
     return {"rows": rows, "wholes": wholes, "peak": peak.bytes, "shards": sum(shards.values()),
+            "whole": whole, "own_groups": len({id(g) for g in groups}) == len(groups),
             "whole_model": sum(p.numel() * p.element_size() for p in eager.parameters()),
             "largest": max(p.numel() * p.element_size() for p in eager.parameters()),
             "fsdp": {name or "the model": isinstance(module, FSDPModule)
@@ -82,6 +102,9 @@ def check_values(results: list[dict], call: str) -> None:
     if "unsharded" in first:
         raise AssertionError(f"{call}: {first['unsharded']} is a plain tensor, not a DTensor: "
                              f"fully_shard every block and the model")
+    if "device" in first:
+        raise AssertionError(f"{call}: {first['device']}: materialise with "
+                             f"to_empty(device=device)")
     for name in first["rows"]:
         wrong = [rank for rank, got in enumerate(results) if not got["rows"][name]]
         if not wrong:
@@ -99,8 +122,8 @@ def check_values(results: list[dict], call: str) -> None:
 
 
 @pytest.mark.task5_8
-@pytest.mark.parametrize(("world", "seed"), [(2, None), (3, 5)], ids=["2-ranks-seed-default",
-                                                                      "3-ranks-seed-5"])
+@pytest.mark.parametrize(("world", "seed"), [(2, None), (3, 5)],
+                         ids=["2-ranks-seed-default", "3-ranks-seed-5"])
 def test_the_sharded_build_is_the_eager_one(ex, world, seed):
     raise_if_untouched(ex.build_sharded)  # "not attempted" here, not on the ranks
     seeded = "" if seed is None else f", seed={seed}"
@@ -111,6 +134,13 @@ def test_the_sharded_build_is_the_eager_one(ex, world, seed):
     assert not unsharded, (
         f"{call}: {unsharded} are not fully_shard-ed: shard every block, then the model, each "
         f"block a group of its own as lesson 05 does")
+    assert results[0]["own_groups"], (
+        f"{call}: the blocks share one fully_shard group (fully_shard on a list of them?): "
+        f"shard each block on its own, then the model, so that each is gathered alone")
+    assert not results[0]["whole"], (
+        f"{call}: to_empty gave memory to {results[0]['whole'][:4]} before they were sharded: "
+        f"each rank held them whole; call to_empty once fully_shard has sharded every "
+        f"parameter (the root last)")
 
 
 @pytest.mark.task5_8

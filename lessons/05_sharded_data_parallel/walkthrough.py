@@ -13,10 +13,10 @@
 # %% [markdown]
 # # Lesson 05 walkthrough: where the memory goes, and how sharding gives it back
 #
-# Three steps, all on a CPU: count the bytes of training state per parameter, see with plain
-# tensors why an all-reduce is a reduce-scatter followed by an all-gather, then train the
-# running example with FSDP2 under `torchrun`, started from here as a subprocess, and read what
-# each rank stores.
+# Four steps, all on a CPU: count the bytes of training state per parameter, see with plain
+# tensors why an all-reduce is a reduce-scatter followed by an all-gather, build a model of
+# shapes alone on the meta device, then train the running example with FSDP2 under `torchrun`,
+# started from here as a subprocess, and read what each rank stores.
 
 # %%
 import os
@@ -99,7 +99,7 @@ assert torch.equal(all_reduced, all_gathered)
 # the forward and again for the backward: 1.5 times DDP's traffic.
 
 # %% [markdown]
-# ## A model that is only shapes: the meta device
+# ## 3. A model that is only shapes: the meta device
 #
 # A model too large for one rank cannot be built whole and sharded afterwards. On the `meta`
 # device a model has shapes and no memory; `to_empty` allocates memory for it (uninitialised),
@@ -120,7 +120,7 @@ same = all(torch.equal(a, b) for a, b in zip(shapes_only.parameters(), GPT(confi
 print("the same values as GPT(config, seed=0):", same)
 
 # %% [markdown]
-# ## 3. FSDP2 on the running example, launched from here
+# ## 4. FSDP2 on the running example, launched from here
 #
 # A notebook kernel is one process: start the ranks with `torchrun` in a subprocess (lesson 03
 # explains why). Each rank prints nothing but rank 0, which reports what every rank stores.

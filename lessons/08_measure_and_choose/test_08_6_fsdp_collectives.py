@@ -185,6 +185,7 @@ def test_gradients_reduce_in_their_own_dtype(ex):
 def test_payloads_are_elements_times_their_bytes_for_any_element_size(ex):
     """fp8 (1 byte) and fp64 (8 bytes) are sizes the fake world's step is not run with here: the
     payloads then scale from fp32's, element for element."""
+    raise_if_untouched(ex.fsdp_step_collectives)  # before the oracle's fake world starts
     root, units = [(5, 3)], [[(4, 4), (3,)], [(7,)]]
     fp32 = Counter(oracle(root, units, 4))
     for param_bytes, reduce_bytes in [(1, 1), (1, 4), (8, 8), (2, 1)]:

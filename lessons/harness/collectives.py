@@ -125,10 +125,10 @@ def _payload(kind: int, args, kwargs) -> tuple[int, torch.dtype | None, weakref.
 
 def _group_size(function, args, kwargs) -> int:
     """The number of ranks in the group a collective is called on (the default group's when
-    none is given), or 0 where the arguments do not say."""
+    none is given), or 0 where the arguments do not say (or this rank is not in the group)."""
     try:
         group = inspect.signature(function).bind(*args, **kwargs).arguments.get("group")
-        return dist.get_world_size(group)
+        return max(dist.get_world_size(group), 0)
     except (TypeError, ValueError, RuntimeError):
         return 0
 

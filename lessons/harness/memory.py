@@ -139,9 +139,11 @@ class AllocationPeak(TorchDispatchMode):
         peak.bytes        # the high-water mark; peak.live_bytes(): what is still alive
 
     It sees every operator torch dispatches (a DTensor's by its local tensor), and a storage
-    counts from the operator that returns it until the last tensor on it is gone, which it
-    asks after every operator. Not seen: storages that existed before (their growth included),
-    and temporaries an operator makes and frees inside itself (a DTensor's redistribution)."""
+    counts, at its size then, from the first operator that returns a tensor on it until the
+    last tensor on it is gone, which it asks after every operator. So it errs high, never low:
+    a storage from before that an operator returns (a view, an in-place result) counts too,
+    and one resized in place counts at both sizes. Not seen: temporaries an operator makes and
+    frees inside itself (a DTensor's redistribution)."""
 
     def __init__(self):
         super().__init__()
@@ -162,7 +164,10 @@ class AllocationPeak(TorchDispatchMode):
                 local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's own piece
                 if local.device.type == "meta":
                     continue
-                storage = local.untyped_storage()
+                try:
+                    storage = local.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # a subclass without storage
+                    continue
                 key = (storage.data_ptr(), storage.nbytes())
                 if key[1] and key not in self._live:
                     self._live[key] = StorageWeakRef(storage)
