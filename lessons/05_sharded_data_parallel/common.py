@@ -161,6 +161,12 @@ def padded_numel(model: nn.Module, world: int) -> int:
     return sum(world * -(-p.numel() // world) for p in model.parameters())
 
 
+def rows_padded_numel(module: nn.Module, world: int) -> int:
+    """Elements FSDP2's collectives move for ``module``'s parameters on ``world`` ranks: each
+    cut along its first dimension, the rows padded to a multiple of ``world``."""
+    return sum(-(-p.shape[0] // world) * world * p[0].numel() for p in module.parameters())
+
+
 def piece_bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
     size = -(-numel // world)
     start = min(rank * size, numel)
@@ -442,7 +448,7 @@ class Timeline:
     def events(self, tower: nn.Module, world: int) -> list[str]:
         block_of = {}
         for index, block in enumerate(tower.blocks):
-            payload = 4 * sum(tower.padded_numel(p, world) for p in block.parameters())
+            payload = 4 * rows_padded_numel(block, world)
             assert payload not in block_of, f"blocks {block_of[payload]} and {index}: same size"
             block_of[payload] = index
         names = {"all_gather": "AG", "reduce_scatter": "RS"}
@@ -503,10 +509,6 @@ class Tower(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
-
-    @staticmethod
-    def padded_numel(param: torch.Tensor, world: int) -> int:
-        return -(-param.shape[0] // world) * world * param[0].numel()
 
 
 def tower_step(ctx, depth: int, prefetching=None, reshard_after_forward=True) -> dict:

@@ -50,6 +50,7 @@ from lesson05.common import (
     make_gpt,
     my_share,
     num_params,
+    rows_padded_numel,
     train_beside_ddp,
     whole_parameters,
 )
@@ -170,8 +171,7 @@ def test_hybrid_sharding_trains_what_ddp_trains_and_all_reduces_only_the_shards(
     (each parameter's first dimension padded to a multiple of 2), and the only collective
     between the rows is the all-reduce of each rank's reduced shard: half the padded model."""
     model = make_gpt()
-    padded = sum(4 * -(-p.shape[0] // 2) * 2 * p[0].numel() for p in model.parameters())
-    blocks = sum(4 * -(-p.shape[0] // 2) * 2 * p[0].numel() for p in model.blocks.parameters())
+    padded, blocks = 4 * rows_padded_numel(model, 2), 4 * rows_padded_numel(model.blocks, 2)
     for rank, result in enumerate(run_on_ranks(train_beside_ddp, "hsdp", "adamw", STEPS,
                                                world_size=4)):
         assert_same_as_ddp(result, rank, 4, "hsdp")

@@ -171,5 +171,5 @@ class AllocationPeak(TorchDispatchMode):
                 key = (storage.data_ptr(), storage.nbytes())
                 if key[1] and key not in self._live:
                     self._live[key] = StorageWeakRef(storage)
-        self.bytes = max(self.bytes, self.live_bytes())
+        self.bytes = max(self.bytes, sum(nbytes for _, nbytes in self._live))
         return out
