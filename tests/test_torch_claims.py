@@ -640,6 +640,76 @@ def test_schedule_1f1b_posts_a_send_in_one_batch_with_the_neighbours_receive():
     assert "fwd_sends + bwd_recvs" in source and "bwd_sends + fwd_recvs" in source
 
 
+def interleaved_steps(ctx, m: int, steps: int) -> dict:
+    """torch's ScheduleInterleaved1F1B on this rank's two chunks of the 4-block GPT: chunk c
+    is block c * p + rank, so rank 0 holds blocks 0 and 2 (and the embeddings), rank 1 blocks
+    1 and 3 (and the head)."""
+    from gpt import GPTStage
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    from lesson07.common import batch, make_gpt, next_token_loss, train_stage
+
+    p = ctx.world_size
+    model = make_gpt()
+    chunks = nn.ModuleList(GPTStage(model, c * p + ctx.rank, c * p + ctx.rank + 1)
+                           for c in range(2))
+    stages = [PipelineStage(chunk, c * p + ctx.rank, 2 * p, ctx.device)
+              for c, chunk in enumerate(chunks)]
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=next_token_loss)
+
+    def one_step(step: int) -> list[float]:
+        inputs, targets = batch(step)
+        if ctx.rank == 0:
+            schedule.step(inputs)
+            return []
+        losses: list = []
+        schedule.step(target=targets, losses=losses)
+        return [float(loss) for loss in losses]
+
+    return train_stage(model, chunks, one_step, steps)
+
+
+def test_interleaved_1f1b_is_the_simulators_order_and_trains_like_one_process():
+    """07 README: torch's ScheduleInterleaved1F1B builds the order the lesson gives (the
+    simulator's interleaved_order, task7_5), for every shape up to 6 ranks, 4 chunks and 16
+    micro-batches, and refuses the same shapes; its bubble is (p - 1) / (v m + p - 1) for
+    m >= p and, with v > 1, larger below (40 % for 4 ranks, 2 chunks, 3 micro-batches); with
+    one chunk it is not 1F1B (its warm-up is 2 (p - 1 - r); rank 0 holds 7 micro-batches, not 4);
+    for 4 ranks, 2 chunks, 8 micro-batches rank 0 holds 5.5 micro-batches' activations at the
+    peak and the last 2.5, against 1F1B's 4 and 1; and on 2 gloo ranks of 2 chunks each its
+    steps are the unsplit model's."""
+    from harness.ranks import in_a_child
+    from lesson07.common import STEPS, assert_trains_like_one_process, torch_interleaved_orders
+    from lesson07.simulator import interleaved_order, reference_schedule, simulate
+
+    orders = in_a_child(torch_interleaved_orders, 6, 4, 16, timeout=120)
+    for (p, v, m), theirs in orders.items():
+        if theirs is None:
+            with pytest.raises(ValueError):
+                interleaved_order(p, v, m)
+            continue
+        assert interleaved_order(p, v, m) == theirs, (p, v, m)
+        bubble = simulate(theirs, m, posting=None).bubble_fraction()
+        formula = (p - 1) / (v * m + p - 1)
+        assert (bubble == pytest.approx(formula) if m >= p or v == 1
+                else bubble > formula), (p, v, m)
+    for p, m in ((2, 4), (4, 8)):
+        one_f_one_b = [[(k, i, 0) for k, i in actions]
+                       for actions in reference_schedule("1f1b", p, m)]
+        assert orders[p, 1, m] != one_f_one_b, (p, m)
+        assert sum(a[0] == "F" for a in orders[p, 1, m][0][:2 * (p - 1) + 1]) == 2 * (p - 1) + 1
+    interleaved = simulate(orders[4, 2, 8], 8, posting=None)
+    one_f_one_b = simulate(reference_schedule("1f1b", 4, 8), 8)
+    assert [interleaved.peak_activations(r) for r in (0, 3)] == [5.5, 2.5]
+    assert [one_f_one_b.peak_in_flight(r) for r in (0, 3)] == [4, 1]
+    assert simulate(orders[4, 1, 8], 8, posting=None).peak_activations(0) == 7
+    few = simulate(orders[4, 2, 3], 3, posting=None).bubble_fraction()
+    assert round(few, 2) == 0.40 and round(3 / (2 * 3 + 3), 2) == 0.33, few
+    results = run_on_ranks(interleaved_steps, 4, STEPS, world_size=2, timeout=90)
+    assert_trains_like_one_process(results, "torch's ScheduleInterleaved1F1B, 2 ranks x 2 "
+                                   "chunks, 4 micro-batches", 4)
+
+
 def test_bf16_and_fp16_mantissas_and_ranges():
     """08 README: bf16 "stores 7 mantissa bits (8 significant bits with the implicit leading
     one: a relative rounding error of up to 2⁻⁸, 0.4 %)" with fp32's exponent range; fp16

@@ -176,3 +176,34 @@ def torch_step(schedule, stage: int, num_stages: int, inputs: torch.Tensor,
     """
     raise NotImplementedError("task7_4: schedule.step with what this stage has")
 # --8<-- [end:torch_step]
+
+
+# --8<-- [start:interleaved]
+def interleaved(num_ranks: int, num_chunks: int, num_micro_batches: int
+                ) -> list[list[tuple[str, int, int]]]:
+    """Interleaved 1F1B: every rank's actions, in the order it runs them. ``result[r]`` is rank
+    r's list; an action is ``("F", i, c)`` or ``("B", i, c)``, the forward or backward of
+    micro-batch i through the rank's chunk c.
+
+    The model is cut into p * v stages (p = ``num_ranks``, v = ``num_chunks``) and rank r holds
+    v of them: its chunk c is stage c * p + r, so a micro-batch passes ranks 0, 1, ..., p - 1
+    for chunk 0, then again for chunk 1, and so on. The order is torch's
+    ``ScheduleInterleaved1F1B`` (Megatron-LM's, with torch's rounds), for m micro-batches:
+
+    - the micro-batches go in rounds: ``max(1, m // p)`` rounds of n = m / rounds each; an m
+      that is not a multiple of the number of rounds raises ``ValueError``;
+    - rank r's i-th forward (counting from 0) runs chunk ``(i // n) % v``, and its j-th backward
+      chunk ``v - 1 - (j // n) % v``; each runs the oldest micro-batch that its chunk has not
+      run yet (a chunk's forwards, and its backwards, go 0, 1, ..., m - 1);
+    - rank r first runs ``min((v - 1) * n + 2 * (p - 1 - r), v * m)`` forwards (the warm-up),
+      then alternates one forward and one backward until its v * m forwards are done, then
+      runs its remaining backwards.
+
+    Fewer than 1 rank, 1 chunk or 1 micro-batch raise ``ValueError``.
+
+    The test runs your schedules in the lesson's simulator (no deadlock; for m >= p the bubble
+    (p - 1) / (v m + p - 1)) and compares them with the order torch's
+    ``ScheduleInterleaved1F1B`` builds, for generated p, v and m.
+    """
+    raise NotImplementedError("task7_5: each rank's forwards and backwards over its chunks")
+# --8<-- [end:interleaved]

@@ -16,6 +16,13 @@ action as soon as it is free and the action's input has arrived:
 - ``("B", m)`` on stage s needs stage s + 1's ``("B", m)`` (the gradient of its output), and
   its own ``("F", m)`` earlier in its list (the activations it saved).
 
+An interleaved schedule gives each of the p ranks v *chunks* (virtual stages), and its actions
+name the chunk: ``("F", m, c)``. Chunk c of rank r is stage c * p + r of the p * v (the looping
+layout of Megatron-LM and torch's ``ScheduleInterleaved1F1B``: a micro-batch passes every rank
+once per chunk), and one chunk's forward takes ``forward_time / v``, its backward
+``backward_time / v`` (a rank's layers are cut into v equal chunks). ``schedule[r]`` is then
+rank r's list; ``("F", m)`` is ``("F", m, 0)``.
+
 This is how real stages behave when each blocks on a receive: a stage whose next action waits
 for something that can never come is a deadlock, and ``simulate`` raises :class:`Deadlock`
 naming what every stuck stage waits for; a schedule whose neighbouring stages run their forwards
@@ -43,8 +50,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-Action = tuple[str, int]  # ("F", micro_batch) or ("B", micro_batch)
+Action = tuple  # ("F", micro_batch) or ("B", micro_batch), or with a chunk: ("F", m, c)
 KINDS = ("F", "B")
+Key = tuple[int, str, int, int]  # (rank, kind, micro-batch, chunk)
 
 
 class ScheduleError(ValueError):
@@ -86,18 +94,20 @@ Post = tuple[Op, ...]  # what a stage posts at once: one operation, or a batch o
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    stage: int
+    stage: int  # the rank: with chunks, several stages run on it
     kind: str  # "F" or "B"
     micro_batch: int
     start: float
     end: float
+    chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
     slots: tuple[Slot, ...]
-    num_stages: int
+    num_stages: int  # ranks
     num_micro_batches: int
+    num_chunks: int = 1
 
     @property
     def makespan(self) -> float:
@@ -120,12 +130,17 @@ class Timeline:
 
     def peak_in_flight(self, stage: int) -> int:
         """The most micro-batches whose activations ``stage`` holds at once: forwards done
-        whose backward has not run yet."""
+        whose backward has not run yet (with chunks, each chunk's forward counts one)."""
         held = peak = 0
         for slot in self.of(stage):
             held += 1 if slot.kind == "F" else -1
             peak = max(peak, held)
         return peak
+
+    def peak_activations(self, stage: int) -> float:
+        """The most activations ``stage`` holds at once, in micro-batches through all its
+        layers: ``peak_in_flight / num_chunks`` (a chunk holds 1/v of the rank's layers)."""
+        return self.peak_in_flight(stage) / self.num_chunks
 
     def svg(self, title: str = "", unit: float = 24.0, row: float = 28.0) -> str:
         """The timeline as an SVG picture: one row per stage, forwards blue, backwards green,
@@ -139,20 +154,24 @@ class Timeline:
             parts.append(f'<text x="{left}" y="18" font-weight="bold">{escape(title)}</text>')
         for stage in range(self.num_stages):
             y = top + stage * row
-            parts.append(f'<text x="4" y="{y + row / 2 + 4:.1f}">stage {stage}</text>')
+            name = "rank" if self.num_chunks > 1 else "stage"
+            parts.append(f'<text x="4" y="{y + row / 2 + 4:.1f}">{name} {stage}</text>')
             parts.append(f'<rect x="{left}" y="{y + 2:.1f}" width="{self.makespan * unit:.1f}" '
                          f'height="{row - 4:.1f}" fill="#f2f2f2"/>')
         for slot in self.slots:
             x, y = left + slot.start * unit, top + slot.stage * row
-            fill = "#4c78a8" if slot.kind == "F" else "#54a24b"
+            shade = slot.chunk % 2  # a chunk's colour, lighter every other chunk
+            fill = (("#4c78a8", "#8fb3d9") if slot.kind == "F" else ("#54a24b", "#98cf8f"))[shade]
             length = (slot.end - slot.start) * unit
             parts.append(f'<rect x="{x:.1f}" y="{y + 2:.1f}" width="{length:.1f}" '
                          f'height="{row - 4:.1f}" fill="{fill}" stroke="white"/>')
-            parts.append(f'<text x="{x + 4:.1f}" y="{y + row / 2 + 4:.1f}" fill="white">'
-                         f'{slot.kind}{slot.micro_batch}</text>')
-        parts.append(f'<text x="{left}" y="{height - 8:.0f}">time (a forward = '
-                     f'{self._duration("F"):g}, a backward = {self._duration("B"):g}); idle '
-                     f'{self.bubble_fraction():.0%}</text>')
+            label = f"{slot.kind}{slot.micro_batch}" if length >= 20 else f"{slot.micro_batch}"
+            parts.append(f'<text x="{x + (4 if length >= 20 else 3):.1f}" '
+                         f'y="{y + row / 2 + 4:.1f}" fill="white">{label}</text>')
+        per = " of a chunk" if self.num_chunks > 1 else ""
+        parts.append(f'<text x="{left}" y="{height - 8:.0f}">time (a forward{per} = '
+                     f'{self._duration("F"):g}, a backward{per} = {self._duration("B"):g}); '
+                     f'idle {self.bubble_fraction():.0%}</text>')
         parts.append("</svg>")
         return "\n".join(parts) + "\n"
 
@@ -160,11 +179,16 @@ class Timeline:
         return next(s.end - s.start for s in self.slots if s.kind == kind)
 
 
-def reference_schedule(kind: str, num_stages: int, num_micro_batches: int) -> list[list[Action]]:
-    """The tests' own GPipe and 1F1B, to drive the stage runners independently of the graded
-    ``schedule()``: GPipe runs every forward, then every backward (the last micro-batch first);
-    1F1B warms up with p - s - 1 forwards on stage s, then alternates one forward and one
-    backward, then drains the backwards."""
+def reference_schedule(kind: str, num_stages: int, num_micro_batches: int,
+                       num_chunks: int = 1) -> list[list[Action]]:
+    """The tests' own GPipe, 1F1B and interleaved 1F1B, to drive the stage runners and check
+    the graded schedules independently of them: GPipe runs every forward, then every backward
+    (the last micro-batch first); 1F1B warms up with p - s - 1 forwards on stage s, then
+    alternates one forward and one backward, then drains the backwards; ``"interleaved"`` is
+    torch's ``ScheduleInterleaved1F1B`` over ``num_stages`` ranks of ``num_chunks`` chunks
+    (:func:`interleaved_order` says how)."""
+    if kind == "interleaved":
+        return interleaved_order(num_stages, num_chunks, num_micro_batches)
     stages = []
     for stage in range(num_stages):
         if kind == "gpipe":
@@ -177,36 +201,94 @@ def reference_schedule(kind: str, num_stages: int, num_micro_batches: int) -> li
                 actions += [("F", warmup + i), ("B", i)]
             actions += [("B", m) for m in range(num_micro_batches - warmup, num_micro_batches)]
         else:
-            raise ValueError(f"no reference schedule {kind!r}: 'gpipe' or '1f1b'")
+            raise ValueError(f"no reference schedule {kind!r}: 'gpipe', '1f1b' or 'interleaved'")
         stages.append(actions)
     return stages
 
 
+def interleaved_order(num_ranks: int, num_chunks: int, num_micro_batches: int
+                      ) -> list[list[Action]]:
+    """Interleaved 1F1B as torch builds it (``ScheduleInterleaved1F1B``, after Megatron-LM):
+    micro-batches go in rounds, ``max(1, m // p)`` rounds of ``n = m / rounds``; rank r's i-th
+    forward runs chunk ``(i // n) % v``, its j-th backward chunk ``v - 1 - (j // n) % v``, each
+    on that chunk's oldest micro-batch not yet run; rank r warms up with
+    ``min((v - 1) * n + 2 * (p - 1 - r), v * m)`` forwards, alternates one forward and one
+    backward until the forwards run out, then runs the remaining backwards."""
+    rounds = max(1, num_micro_batches // num_ranks)
+    if num_micro_batches % rounds:
+        raise ValueError(f"{num_micro_batches} micro-batches do not go in {rounds} equal rounds")
+    per_round = num_micro_batches // rounds
+    plan = []
+    for rank in range(num_ranks):
+        total = num_chunks * num_micro_batches
+        warmup = min((num_chunks - 1) * per_round + 2 * (num_ranks - 1 - rank), total)
+        forward_chunks = [(i // per_round) % num_chunks for i in range(total)]
+        backward_chunks = [num_chunks - 1 - (j // per_round) % num_chunks for j in range(total)]
+        forwards = _numbered("F", forward_chunks)
+        backwards = _numbered("B", backward_chunks)
+        actions = forwards[:warmup]
+        for i in range(total - warmup):
+            actions += [forwards[warmup + i], backwards[i]]
+        plan.append(actions + backwards[total - warmup:])
+    return plan
+
+
+def _numbered(kind: str, chunks: list[int]) -> list[Action]:
+    """Each chunk's actions numbered 0, 1, 2, ... in the order the chunks come."""
+    count: dict[int, int] = {}
+    numbered = []
+    for chunk in chunks:
+        numbered.append((kind, count.get(chunk, 0), chunk))
+        count[chunk] = count.get(chunk, 0) + 1
+    return numbered
+
+
+def num_chunks_of(schedule: Sequence[Sequence[Action]]) -> int:
+    """How many chunks the schedule's ranks run: one more than the largest chunk it names."""
+    return 1 + max((action[2] for actions in schedule for action in actions
+                    if isinstance(action, tuple) and len(action) == 3
+                    and isinstance(action[2], int)), default=0)
+
+
+def _normalised(schedule: Sequence[Sequence[Action]]) -> list[list[tuple[str, int, int]]]:
+    return [[(a[0], a[1], a[2] if len(a) == 3 else 0) for a in actions] for actions in schedule]
+
+
 def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> None:
-    """Raise :class:`ScheduleError` unless every stage runs each micro-batch's forward and
-    backward exactly once, forward first."""
+    """Raise :class:`ScheduleError` unless every stage (every rank's every chunk) runs each
+    micro-batch's forward and backward exactly once, forward first."""
     if not schedule:
         raise ScheduleError("a schedule needs at least one stage")
-    expected = {(kind, m) for kind in KINDS for m in range(num_micro_batches)}
+    chunks = num_chunks_of(schedule)
+    expected = {(kind, m, c) for kind in KINDS for m in range(num_micro_batches)
+                for c in range(chunks)}
+
+    def name(action: tuple) -> str:
+        return repr(action if chunks > 1 else action[:2])
+
     for stage, actions in enumerate(schedule):
-        seen: set[Action] = set()
+        seen: set[tuple] = set()
         for position, action in enumerate(actions):
-            if (not isinstance(action, tuple) or len(action) != 2 or action[0] not in KINDS
-                    or not isinstance(action[1], int)):
+            if (not isinstance(action, tuple) or len(action) not in (2, 3)
+                    or action[0] not in KINDS
+                    or not all(isinstance(i, int) and i >= 0 for i in action[1:])):
                 raise ScheduleError(f"stage {stage}, action {position}: {action!r} is not "
-                                    f"('F', m) or ('B', m)")
-            if action not in expected:
+                                    f"('F', m) or ('B', m), or ('F', m, chunk)")
+            full = (action[0], action[1], action[2] if len(action) == 3 else 0)
+            if full not in expected:
                 raise ScheduleError(f"stage {stage}, action {position}: {action!r}: there are "
                                     f"micro-batches 0 to {num_micro_batches - 1}")
-            if action in seen:
-                raise ScheduleError(f"stage {stage} runs {action!r} twice")
-            if action[0] == "B" and ("F", action[1]) not in seen:
-                raise ScheduleError(f"stage {stage} runs {action!r} before ('F', {action[1]}): "
-                                    f"a backward needs the activations its forward saved")
-            seen.add(action)
-        missing = sorted(expected - seen, key=lambda a: (a[1], a[0]))
+            if full in seen:
+                raise ScheduleError(f"stage {stage} runs {name(full)} twice")
+            if full[0] == "B" and ("F", *full[1:]) not in seen:
+                raise ScheduleError(f"stage {stage} runs {name(full)} before "
+                                    f"{name(('F', *full[1:]))}: a backward needs the "
+                                    f"activations its forward saved")
+            seen.add(full)
+        missing = sorted(expected - seen, key=lambda a: (a[2], a[1], a[0]))
         if missing:
-            raise ScheduleError(f"stage {stage} never runs {missing[:4]}"
+            shown = [name(a) for a in missing[:4]]
+            raise ScheduleError(f"stage {stage} never runs [{', '.join(shown)}]"
                                 + (" ..." if len(missing) > 4 else ""))
 
 
@@ -219,67 +301,84 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
     can run them (:func:`check_links`): ``"fused"``, as the lesson's ``StageRunner`` does (a
     send posted in one batch with the next action's receive from the same neighbour);
     ``"separate"``, every operation on its own (raises :class:`UnsafeOrder` for 1F1B); ``None``
-    leaves communication out."""
+    leaves communication out, as an interleaved schedule must (the model of the links covers
+    one stage per rank)."""
     if posting not in ("fused", "separate", None):
         raise ValueError(f"posting must be 'fused', 'separate' or None, not {posting!r}")
     validate(schedule, num_micro_batches)
-    stages = len(schedule)
-    done: dict[tuple[int, str, int], float] = {}  # (stage, kind, micro-batch) -> end time
-    position = [0] * stages
-    free = [0.0] * stages
+    chunks = num_chunks_of(schedule)
+    if chunks > 1 and posting is not None:
+        raise ValueError("an interleaved schedule is simulated with posting=None: the model "
+                         "of NCCL's links covers one stage per rank")
+    plan = _normalised(schedule)
+    ranks = len(plan)
+    last = ranks * chunks - 1
+    done: dict[Key, float] = {}  # (rank, kind, micro-batch, chunk) -> end time
+    position = [0] * ranks
+    free = [0.0] * ranks
     slots = []
 
-    def needs(stage: int, action: Action) -> tuple[int, str, int] | None:
-        kind, m = action
-        if kind == "F":
-            return (stage - 1, "F", m) if stage > 0 else None
-        return (stage + 1, "B", m) if stage < stages - 1 else None
+    def needs(rank: int, action: tuple[str, int, int]) -> Key | None:
+        kind, m, chunk = action
+        stage = chunk * ranks + rank
+        other = stage - 1 if kind == "F" else stage + 1
+        if other < 0 or other > last:
+            return None
+        return (other % ranks, kind, m, other // ranks)
 
-    while any(position[s] < len(schedule[s]) for s in range(stages)):
+    while any(position[r] < len(plan[r]) for r in range(ranks)):
         progressed = False
-        for stage in range(stages):
-            while position[stage] < len(schedule[stage]):
-                action = schedule[stage][position[stage]]
-                dependency = needs(stage, action)
+        for rank in range(ranks):
+            while position[rank] < len(plan[rank]):
+                action = plan[rank][position[rank]]
+                dependency = needs(rank, action)
                 if dependency is not None and dependency not in done:
                     break
-                start = max(free[stage], done[dependency] if dependency is not None else 0.0)
-                end = start + (forward_time if action[0] == "F" else backward_time)
-                slots.append(Slot(stage, action[0], action[1], start, end))
-                done[(stage, *action)] = free[stage] = end
-                position[stage] += 1
+                start = max(free[rank], done[dependency] if dependency is not None else 0.0)
+                end = start + (forward_time if action[0] == "F" else backward_time) / chunks
+                slots.append(Slot(rank, action[0], action[1], start, end, action[2]))
+                done[(rank, *action)] = free[rank] = end
+                position[rank] += 1
                 progressed = True
         if not progressed:
             waits = []
-            for stage in range(stages):
-                if position[stage] < len(schedule[stage]):
-                    action = schedule[stage][position[stage]]
-                    source, kind, m = needs(stage, action)
-                    waits.append(f"stage {stage} waits to run {action[0]}{action[1]} for "
-                                 f"{kind}{m} from stage {source}")
+            for rank in range(ranks):
+                if position[rank] < len(plan[rank]):
+                    action = plan[rank][position[rank]]
+                    source, kind, m, chunk = needs(rank, action)
+                    of = f" of chunk {chunk}" if chunks > 1 else ""
+                    mine = f" of chunk {action[2]}" if chunks > 1 else ""
+                    waits.append(f"stage {rank} waits to run {action[0]}{action[1]}{mine} for "
+                                 f"{kind}{m}{of} from stage {source}")
             raise Deadlock("deadlock: " + "; ".join(waits))
     check_order(schedule)
     if posting is not None:
         check_links(posts(schedule, fused=posting == "fused"))
-    return Timeline(tuple(slots), stages, num_micro_batches)
+    return Timeline(tuple(slots), ranks, num_micro_batches, chunks)
 
 
 def check_order(schedule: Sequence[Sequence[Action]]) -> None:
     """Raise :class:`OrderMismatch` unless each stage receives in the order its neighbour
     sends: forwards' activations from the stage before, backwards' gradients from the one
     after (a schedule can avoid deadlock and still fail this: the simulator matches by
-    micro-batch, a send and a receive by the order they are posted)."""
-    for stage in range(len(schedule) - 1):
-        for kind, sender, receiver, what in (("F", stage, stage + 1, "activations"),
-                                             ("B", stage + 1, stage, "gradients")):
-            sent = [m for k, m in schedule[sender] if k == kind]
-            received = [m for k, m in schedule[receiver] if k == kind]
+    micro-batch, a send and a receive by the order they are posted). With chunks, each
+    chunk's link to the next stage is its own."""
+    plan = _normalised(schedule)
+    ranks, chunks = len(plan), num_chunks_of(schedule)
+    for stage in range(ranks * chunks - 1):
+        here, there = (stage % ranks, stage // ranks), ((stage + 1) % ranks, (stage + 1) // ranks)
+        for kind, (sender, s_chunk), (receiver, r_chunk), what in (
+                ("F", here, there, "activations"), ("B", there, here, "gradients")):
+            sent = [m for k, m, c in plan[sender] if k == kind and c == s_chunk]
+            received = [m for k, m, c in plan[receiver] if k == kind and c == r_chunk]
             if sent != received:
+                of = ((f" of chunk {s_chunk}", f" of chunk {r_chunk}") if chunks > 1
+                      else ("", ""))
                 raise OrderMismatch(
-                    f"stage {sender} sends its {what} in the order {sent} but stage {receiver} "
-                    f"receives them in the order {received}: a send and a receive pair up in "
-                    f"the order they are posted, so both stages must run their {kind}s in the "
-                    f"same order")
+                    f"stage {sender}{of[0]} sends its {what} in the order {sent} but stage "
+                    f"{receiver}{of[1]} receives them in the order {received}: a send and a "
+                    f"receive pair up in the order they are posted, so both stages must run "
+                    f"their {kind}s in the same order")
 
 
 def posts(schedule: Sequence[Sequence[Action]], fused: bool = True) -> list[list[Post]]:
@@ -375,19 +474,25 @@ def _refuse(a: int, b: int, active: dict, queues: dict, heads: dict) -> None:
 
 
 PICTURES_DIR = Path(__file__).resolve().parents[2] / "docs" / "assets" / "pipeline"
-# The lesson's pictures: 4 stages, 8 micro-batches, a backward twice as long as a forward.
-PICTURES = {f"{kind}.svg": (kind, 4, 8) for kind in ("gpipe", "1f1b")}
-TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+# The lesson's pictures: 4 ranks, 8 micro-batches, a backward twice as long as a forward;
+# interleaved 1F1B with 2 chunks per rank (each chunk's forward half a rank's).
+PICTURES = {"gpipe.svg": ("gpipe", 4, 8, 1), "1f1b.svg": ("1f1b", 4, 8, 1),
+            "interleaved.svg": ("interleaved", 4, 8, 2)}
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B"}
 
 
 def pictures() -> dict[str, str]:
     """Each picture's file name and its SVG, drawn from the reference schedules."""
     drawn = {}
-    for name, (kind, stages, micro_batches) in PICTURES.items():
-        timeline = simulate(reference_schedule(kind, stages, micro_batches), micro_batches)
-        held = ", ".join(str(timeline.peak_in_flight(s)) for s in range(stages))
-        drawn[name] = timeline.svg(f"{TITLES[kind]}: {stages} stages, {micro_batches} "
-                                   f"micro-batches; activations held per stage: {held}")
+    for name, (kind, stages, micro_batches, chunks) in PICTURES.items():
+        plan = reference_schedule(kind, stages, micro_batches, chunks)
+        timeline = simulate(plan, micro_batches, posting="fused" if chunks == 1 else None)
+        held = ", ".join(f"{timeline.peak_activations(s):g}" for s in range(stages))
+        shape = (f"{stages} ranks x {chunks} chunks" if chunks > 1
+                 else f"{stages} stages")
+        drawn[name] = timeline.svg(f"{TITLES[kind]}: {shape}, {micro_batches} micro-batches; "
+                                   f"activations held per {'rank' if chunks > 1 else 'stage'}: "
+                                   f"{held}")
     return drawn
 
 

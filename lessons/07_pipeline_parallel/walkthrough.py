@@ -83,6 +83,26 @@ for kind in ("gpipe", "1f1b"):
 print(reference_schedule("1f1b", p, m)[0][:8])
 
 # %% [markdown]
+# ### Interleaved 1F1B
+#
+# Give each of the p ranks v smaller stages (chunks; rank r's chunk c is stage c * p + r) and
+# each wait at the ends of the step is a chunk's time, 1/v of a stage's. The actions name the
+# chunk, `("F", i, c)`; the simulator's `reference_schedule("interleaved", ...)` is torch's
+# `ScheduleInterleaved1F1B` order (task 7_5 writes it).
+
+# %%
+for v in (1, 2, 4):
+    timeline = simulate(reference_schedule("interleaved", p, m, num_chunks=v), m, posting=None)
+    held = [timeline.peak_activations(r) for r in range(p)]
+    print(f"{v} chunk(s): idle {timeline.bubble_fraction():.1%} (formula "
+          f"{(p - 1) / (v * m + p - 1):.1%}), activations held per rank {held}")
+
+# %% [markdown]
+# The bubble falls as (p - 1) / (v m + p - 1); the first ranks pay with a longer warm-up (more
+# activations held than 1F1B's 4, 3, 2, 1), and every micro-batch now crosses p v - 1 stage
+# boundaries instead of p - 1.
+
+# %% [markdown]
 # ## 3. A deadlock, on paper
 #
 # Stage 0 runs F0 B0 F1 B1; stage 1 runs F0 F1 B0 B1. Stage 0 cannot send micro-batch 1 until it

@@ -279,3 +279,62 @@ def torch_step(schedule, stage: int, num_stages: int, inputs: torch.Tensor,
         schedule.step()
     return [loss.item() for loss in losses]
 # --8<-- [end:torch_step]
+
+
+# --8<-- [start:interleaved]
+def interleaved(num_ranks: int, num_chunks: int, num_micro_batches: int
+                ) -> list[list[tuple[str, int, int]]]:
+    """Interleaved 1F1B: every rank's actions, in the order it runs them. ``result[r]`` is rank
+    r's list; an action is ``("F", i, c)`` or ``("B", i, c)``, the forward or backward of
+    micro-batch i through the rank's chunk c.
+
+    The model is cut into p * v stages (p = ``num_ranks``, v = ``num_chunks``) and rank r holds
+    v of them: its chunk c is stage c * p + r, so a micro-batch passes ranks 0, 1, ..., p - 1
+    for chunk 0, then again for chunk 1, and so on. The order is torch's
+    ``ScheduleInterleaved1F1B`` (Megatron-LM's, with torch's rounds), for m micro-batches:
+
+    - the micro-batches go in rounds: ``max(1, m // p)`` rounds of n = m / rounds each; an m
+      that is not a multiple of the number of rounds raises ``ValueError``;
+    - rank r's i-th forward (counting from 0) runs chunk ``(i // n) % v``, and its j-th backward
+      chunk ``v - 1 - (j // n) % v``; each runs the oldest micro-batch that its chunk has not
+      run yet (a chunk's forwards, and its backwards, go 0, 1, ..., m - 1);
+    - rank r first runs ``min((v - 1) * n + 2 * (p - 1 - r), v * m)`` forwards (the warm-up),
+      then alternates one forward and one backward until its v * m forwards are done, then
+      runs its remaining backwards.
+
+    Fewer than 1 rank, 1 chunk or 1 micro-batch raise ``ValueError``.
+
+    The test runs your schedules in the lesson's simulator (no deadlock; for m >= p the bubble
+    (p - 1) / (v m + p - 1)) and compares them with the order torch's
+    ``ScheduleInterleaved1F1B`` builds, for generated p, v and m.
+    """
+    if num_ranks < 1 or num_chunks < 1 or num_micro_batches < 1:
+        raise ValueError(f"need at least one rank, one chunk and one micro-batch, got "
+                         f"{num_ranks}, {num_chunks} and {num_micro_batches}")
+    rounds = max(1, num_micro_batches // num_ranks)
+    if num_micro_batches % rounds:
+        raise ValueError(f"{num_micro_batches} micro-batches do not go in {rounds} equal rounds "
+                         f"of about {num_ranks}: choose a multiple of {rounds}")
+    per_round = num_micro_batches // rounds
+    total = num_chunks * num_micro_batches  # each rank's forwards, and its backwards
+
+    def numbered(kind: str, chunk_of) -> list[tuple[str, int, int]]:
+        done = [0] * num_chunks  # each chunk's next micro-batch
+        actions = []
+        for step in range(total):
+            chunk = chunk_of(step // per_round)
+            actions.append((kind, done[chunk], chunk))
+            done[chunk] += 1
+        return actions
+
+    forwards = numbered("F", lambda turn: turn % num_chunks)
+    backwards = numbered("B", lambda turn: num_chunks - 1 - turn % num_chunks)
+    ranks = []
+    for rank in range(num_ranks):
+        warmup = min((num_chunks - 1) * per_round + 2 * (num_ranks - 1 - rank), total)
+        actions = forwards[:warmup]
+        for i in range(total - warmup):
+            actions += [forwards[warmup + i], backwards[i]]
+        ranks.append(actions + backwards[total - warmup:])
+    return ranks
+# --8<-- [end:interleaved]
