@@ -633,6 +633,35 @@ def test_pipeline_simulator_times_a_small_gpipe_by_hand():
     assert timeline.bubble_fraction() == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1)
 
 
+def test_pipeline_simulator_times_chunks_and_split_backwards_by_hand():
+    # Interleaved, 2 ranks x 2 chunks, 1 micro-batch, forward 1 and backward 2 per rank, so
+    # a chunk's are 0.5 and 1; stages 0..3 are rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1,
+    # rank 1 chunk 1: F runs 0-0.5, 0.5-1, 1-1.5, 1.5-2 and B back 2-3, 3-4, 4-5, 5-6.
+    plan = [[("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)],
+            [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]]
+    timeline = simulate(plan, 1, posting=None)
+    times = {(s.stage, s.kind, s.chunk): (s.start, s.end) for s in timeline.slots}
+    assert times == {(0, "F", 0): (0, 0.5), (1, "F", 0): (0.5, 1), (0, "F", 1): (1, 1.5),
+                     (1, "F", 1): (1.5, 2), (1, "B", 1): (2, 3), (0, "B", 1): (3, 4),
+                     (1, "B", 0): (4, 5), (0, "B", 0): (5, 6)}
+    assert timeline.peak_in_flight(0) == 2 and timeline.peak_activations(0) == 1
+    with pytest.raises(ValueError, match="posting=None"):
+        simulate(plan, 1)
+    # Zero bubble, 2 stages, 1 micro-batch, F = B = W = 1: a W waits for nobody but its B.
+    # stage 0: F0 [0,1]                B0 [3,4] W0 [4,5]
+    # stage 1:          F0 [1,2] B0 [2,3] W0 [3,4]
+    split = [[("F", 0), ("B", 0), ("W", 0)]] * 2
+    timeline = simulate(split, 1, backward_time=2.0, posting=None)
+    times = {(s.stage, f"{s.kind}{s.micro_batch}"): (s.start, s.end) for s in timeline.slots}
+    assert times == {(0, "F0"): (0, 1), (1, "F0"): (1, 2), (1, "B0"): (2, 3), (1, "W0"): (3, 4),
+                     (0, "B0"): (3, 4), (0, "W0"): (4, 5)}
+    assert timeline.makespan == 5 and timeline.peak_in_flight(0) == 1
+    with pytest.raises(ScheduleError, match=r"\('W', 0\) before \('B', 0\)"):
+        simulate([[("F", 0), ("W", 0), ("B", 0)]], 1, posting=None)
+    with pytest.raises(ScheduleError, match=r"stage 1 never runs \[\('W', 0\)\]"):
+        simulate([[("F", 0), ("B", 0), ("W", 0)], [("F", 0), ("B", 0)]], 1, posting=None)
+
+
 @pytest.mark.parametrize("make", [gpipe, one_f_one_b], ids=["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages,micro_batches", [(2, 1), (2, 4), (4, 4), (4, 8), (3, 7)])
 def test_pipeline_simulator_finds_the_bubble_formula(make, stages, micro_batches):
@@ -711,7 +740,7 @@ def test_pipeline_links_check_recorded_posts_and_a_send_nobody_receives():
     ([[("F", 0), ("F", 0), ("B", 0)]], r"stage 0 runs \('F', 0\) twice"),
     ([[("B", 0), ("F", 0)]], r"before \('F', 0\)"),
     ([[("F", 0), ("B", 0), ("F", 1), ("B", 1)]], r"micro-batches 0 to 0"),
-    ([[("X", 0)]], r"is not \('F', m\) or \('B', m\)"),
+    ([[("X", 0)]], r"is not \('F', m\), \('B', m\) or \('W', m\)"),
     ([], r"at least one stage"),
 ], ids=["missing", "twice", "backward-first", "no-such-micro-batch", "unknown-kind", "empty"])
 def test_pipeline_simulator_rejects_what_is_not_a_schedule(schedule, match):

@@ -34,7 +34,7 @@ from torch.utils.data import DistributedSampler
 from harness.exercises import REPO_ROOT
 from harness.launch import LAUNCHERS
 from harness.memory import AllocationPeak
-from harness.ranks import run_on_ranks
+from harness.ranks import RankError, run_on_ranks
 from lesson05.common import Tower, tower_step
 
 
@@ -679,10 +679,10 @@ def test_interleaved_1f1b_is_the_simulators_order_and_trains_like_one_process():
     peak and the last 2.5, against 1F1B's 4 and 1; and on 2 gloo ranks of 2 chunks each its
     steps are the unsplit model's."""
     from harness.ranks import in_a_child
-    from lesson07.common import STEPS, assert_trains_like_one_process, torch_interleaved_orders
+    from lesson07.common import STEPS, assert_trains_like_one_process, torch_orders
     from lesson07.simulator import interleaved_order, reference_schedule, simulate
 
-    orders = in_a_child(torch_interleaved_orders, 6, 4, 16, timeout=120)
+    orders = in_a_child(torch_orders, "interleaved", 6, 4, 16, timeout=120)
     for (p, v, m), theirs in orders.items():
         if theirs is None:
             with pytest.raises(ValueError):
@@ -708,6 +708,85 @@ def test_interleaved_1f1b_is_the_simulators_order_and_trains_like_one_process():
     results = run_on_ranks(interleaved_steps, 4, STEPS, world_size=2, timeout=90)
     assert_trains_like_one_process(results, "torch's ScheduleInterleaved1F1B, 2 ranks x 2 "
                                    "chunks, 4 micro-batches", 4)
+
+
+def zero_bubble_steps(ctx, kind: str, m: int, steps: int) -> dict:
+    """torch's zero-bubble schedules on the 4-block GPT: "zb" is ScheduleInterleavedZeroBubble
+    with one stage of two blocks per rank; "zbv" ScheduleZBVZeroBubble, whose V puts stages r
+    and 2p - 1 - r on rank r (rank 0 holds block 0 and block 3, the first and the last)."""
+    from gpt import GPTStage
+    from torch.distributed import pipelining
+
+    from lesson07.common import batch, make_gpt, next_token_loss, train_stage
+
+    p, r = ctx.world_size, ctx.rank
+    model = make_gpt()
+    indices = [r] if kind == "zb" else [r, 2 * p - 1 - r]
+    per = 4 // (p * len(indices))
+    chunks = nn.ModuleList(GPTStage(model, k * per, (k + 1) * per) for k in indices)
+    stages = [pipelining.PipelineStage(chunk, k, p * len(indices), ctx.device)
+              for k, chunk in zip(indices, chunks, strict=True)]
+    cls = (pipelining.ScheduleInterleavedZeroBubble if kind == "zb"
+           else pipelining.ScheduleZBVZeroBubble)
+    schedule = cls(stages, n_microbatches=m, loss_fn=next_token_loss)
+    first, last = 0, (p - 1 if kind == "zb" else 0)
+
+    def one_step(step: int) -> list[float]:
+        inputs, targets = batch(step)
+        losses: list = []
+        kwargs = {"target": targets, "losses": losses} if r == last else {}
+        schedule.step(*([inputs] if r == first else []), **kwargs)
+        return [float(loss) for loss in losses]
+
+    return train_stage(model, chunks, one_step, steps)
+
+
+def test_zero_bubble_is_the_lessons_order_and_trains_like_one_process():
+    """07 README: torch's ScheduleInterleavedZeroBubble with one stage per rank builds the
+    lesson's ZB-H1 order (the simulator's, task7_6) on every shape up to 6 ranks and 16
+    micro-batches it accepts; in the simulator (F = B = W) it leaves each stage a third of
+    1F1B's idle time, (p - 1) / (3 m + p - 1) of the step for m >= p, and holds p micro-batches'
+    activations on every stage; torch splits the backward itself (stage_backward_input and
+    stage_backward_weight) and has ScheduleDualPipeV, whose steps overlap one micro-batch's
+    forward with another's backward; ScheduleInterleavedZeroBubble and, in torch 2.14,
+    ScheduleZBVZeroBubble (two stages per rank, in a V) take the unsplit model's steps on 2 gloo
+    ranks: splitting a backward in two changes when the weights' gradients are computed, not
+    what they are. torch 2.11's ZBV fails there at its first step, whose warm-up messages
+    include one from rank 1's stage 1 to its stage 2, a send to itself that gloo refuses."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import _backward
+
+    from harness.ranks import in_a_child
+    from lesson07.common import STEPS, assert_trains_like_one_process, torch_orders
+    from lesson07.simulator import reference_schedule, simulate
+
+    # the split is torch's: B and W are separate functions; DualPipeV's steps pair a forward
+    # with another micro-batch's backward (its OVERLAP_F_B actions)
+    assert callable(_backward.stage_backward_input) and callable(_backward.stage_backward_weight)
+    assert "OVERLAP_F_B" in inspect.getsource(pipelining.ScheduleDualPipeV)
+    orders = in_a_child(torch_orders, "zero-bubble", 6, 1, 16, timeout=120)
+    for (p, _, m), theirs in orders.items():
+        if theirs is None:  # m not a multiple of its rounds: the rule is checked elsewhere
+            assert m % max(1, m // p), (p, m)
+            continue
+        rule = [[(k, i, 0) for k, i in actions]
+                for actions in reference_schedule("zero-bubble", p, m)]
+        assert theirs == rule, (p, m)
+        zb = simulate(reference_schedule("zero-bubble", p, m), m, posting=None)
+        one = simulate(reference_schedule("1f1b", p, m), m, posting=None)
+        if m >= p:  # a third of 1F1B's idle time, and 1F1B's most activations on every stage
+            assert zb.bubble_fraction() == pytest.approx((p - 1) / (3 * m + p - 1)), (p, m)
+            idle = [zb.idle(s) / one.idle(s) for s in range(p) if p > 1]
+            assert idle == pytest.approx([1 / 3] * len(idle)), (p, m, idle)
+            assert [zb.peak_in_flight(s) for s in range(p)] == [p] * p, (p, m)
+    results = run_on_ranks(zero_bubble_steps, "zb", 4, STEPS, world_size=2, timeout=90)
+    assert_trains_like_one_process(results, "torch's zero-bubble schedule, 2 ranks", 4)
+    try:
+        results = run_on_ranks(zero_bubble_steps, "zbv", 4, STEPS, world_size=2, timeout=90)
+    except RankError as error:  # torch 2.11: its first step sends from rank 1 to rank 1
+        assert older_than_2_14() and "Pair is not connected" in str(error), error
+    else:
+        assert_trains_like_one_process(results, "torch's ZBV schedule, 2 ranks", 4)
 
 
 def test_bf16_and_fp16_mantissas_and_ranges():

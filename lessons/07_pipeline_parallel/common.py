@@ -131,38 +131,45 @@ def assert_trains_like_one_process(results: list[dict], what: str, m: int) -> No
 
 
 
-def torch_interleaved_orders(max_ranks: int, max_chunks: int, max_micro_batches: int) -> dict:
-    """torch's own interleaved 1F1B, the oracle of task7_5: for every p, v and m up to the
-    maxima, each rank's actions as ``("F", i, c)`` / ``("B", i, c)``, read from
-    ``ScheduleInterleaved1F1B(...).pipeline_order`` (its idle slots left out), or ``None``
-    where torch refuses the shape. It opens torch's fake process group of p ranks, so run it
-    in a process of its own (``harness.ranks.in_a_child``)."""
+def torch_orders(schedule: str, max_ranks: int, max_chunks: int,
+                 max_micro_batches: int) -> dict:
+    """The orders torch's own schedules build, the oracle of tasks 7_5 and 7_6: for every p, v
+    and m up to the maxima, each rank's actions as ``("F", i, c)``, ``("B", i, c)`` (with
+    ``"zero-bubble"``, the input's gradient only) and ``("W", i, c)`` (the weights'), read from
+    ``pipeline_order`` (its idle slots left out), or ``None`` where torch refuses the shape.
+    ``schedule`` is ``"interleaved"`` (``ScheduleInterleaved1F1B``, rank r's chunk c being
+    stage c * p + r) or ``"zero-bubble"`` (``ScheduleInterleavedZeroBubble``, the same layout).
+    It opens torch's fake process group of p ranks, so run it in a process of its own
+    (``harness.ranks.in_a_child``)."""
     import re
 
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
     from torch.testing._internal.distributed.fake_pg import FakeStore  # the fake group's store
 
+    cls = {"interleaved": pipelining.ScheduleInterleaved1F1B,
+           "zero-bubble": pipelining.ScheduleInterleavedZeroBubble}[schedule]
+    kinds = {"F": "F", "B": "B", "I": "B", "W": "W"}  # I: torch's BACKWARD_INPUT
     orders = {}
     for p in range(1, max_ranks + 1):
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
         try:
             for v in range(1, max_chunks + 1):
-                stages = [PipelineStage(nn.Identity(), c * p, p * v, torch.device("cpu"))
-                          for c in range(v)]
+                stages = [pipelining.PipelineStage(nn.Identity(), c * p, p * v,
+                                                   torch.device("cpu")) for c in range(v)]
                 for m in range(1, max_micro_batches + 1):
                     try:
-                        schedule = ScheduleInterleaved1F1B(stages, m)
+                        built = cls(stages, m)
                     except ValueError:  # m not a multiple of its rounds
                         orders[p, v, m] = None
                         continue
                     ranks = []
                     for rank in range(p):
                         actions = []
-                        for action in filter(None, schedule.pipeline_order[rank]):
+                        for action in filter(None, built.pipeline_order[rank]):
                             stage, kind, micro_batch = re.fullmatch(  # "5F2": stage 5, F, mb 2
-                                r"(\d+)([FB])(\d+)", str(action)).groups()
-                            actions.append((kind, int(micro_batch), int(stage) // p))
+                                r"(\d+)([FBIW])(\d+)", str(action)).groups()
+                            actions.append((kinds[kind], int(micro_batch), int(stage) // p))
                         ranks.append(actions)
                     orders[p, v, m] = ranks
         finally:

@@ -207,3 +207,28 @@ def interleaved(num_ranks: int, num_chunks: int, num_micro_batches: int
     """
     raise NotImplementedError("task7_5: each rank's forwards and backwards over its chunks")
 # --8<-- [end:interleaved]
+
+
+# --8<-- [start:zero_bubble]
+def zero_bubble(num_stages: int, num_micro_batches: int) -> list[list[tuple[str, int]]]:
+    """Zero bubble (ZB-H1): every stage's actions, in order, with each backward split in two:
+    ``("B", i)`` computes only the gradient of the stage's input (what the stage before waits
+    for), ``("W", i)`` the gradients of the stage's weights (what nobody waits for). The order
+    is torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank; on stage s of p, for
+    m micro-batches:
+
+    - first ``min(p - s - 1, m)`` forwards (1F1B's warm-up);
+    - then, for j = 0, 1, ..., m - 1: the next forward while any are left, then ``("B", j)``,
+      then, once j >= s, the W of the oldest micro-batch whose W has not run;
+    - then the W's left, oldest first.
+
+    Each stage runs each micro-batch's F, B and W exactly once, in that order. Fewer than 1
+    stage or 1 micro-batch raise ``ValueError``.
+
+    The test compares your lists with the order torch builds, for generated p and m, and runs
+    them in the lesson's simulator with a forward, a B and a W of equal time: no deadlock, the
+    bubble (p - 1) / (3 m + p - 1) for m >= p (a third of 1F1B's idle time), and every stage
+    holding at most p micro-batches' activations (1F1B's most).
+    """
+    raise NotImplementedError("task7_6: 1F1B with each backward split, the W's delayed")
+# --8<-- [end:zero_bubble]

@@ -23,6 +23,12 @@ once per chunk), and one chunk's forward takes ``forward_time / v``, its backwar
 ``backward_time / v`` (a rank's layers are cut into v equal chunks). ``schedule[r]`` is then
 rank r's list; ``("F", m)`` is ``("F", m, 0)``.
 
+A zero-bubble schedule splits each backward in two: ``("B", m)`` computes only the gradient of
+the stage's input (what the stage before waits for), ``("W", m)`` the gradients of its weights
+(which nobody waits for), after it on the same stage. Where a schedule has W actions, ``B``
+takes ``backward_time - weight_time`` and ``W`` takes ``weight_time`` (half the backward unless
+given), and a micro-batch's activations are held until its W.
+
 This is how real stages behave when each blocks on a receive: a stage whose next action waits
 for something that can never come is a deadlock, and ``simulate`` raises :class:`Deadlock`
 naming what every stuck stage waits for; a schedule whose neighbouring stages run their forwards
@@ -51,7 +57,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 Action = tuple  # ("F", micro_batch) or ("B", micro_batch), or with a chunk: ("F", m, c)
-KINDS = ("F", "B")
+KINDS = ("F", "B", "W")  # W: a backward's weight gradients, where a schedule splits them off
 Key = tuple[int, str, int, int]  # (rank, kind, micro-batch, chunk)
 
 
@@ -95,7 +101,7 @@ Post = tuple[Op, ...]  # what a stage posts at once: one operation, or a batch o
 @dataclasses.dataclass(frozen=True)
 class Slot:
     stage: int  # the rank: with chunks, several stages run on it
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     micro_batch: int
     start: float
     end: float
@@ -131,9 +137,10 @@ class Timeline:
     def peak_in_flight(self, stage: int) -> int:
         """The most micro-batches whose activations ``stage`` holds at once: forwards done
         whose backward has not run yet (with chunks, each chunk's forward counts one)."""
+        frees = "W" if any(slot.kind == "W" for slot in self.slots) else "B"
         held = peak = 0
         for slot in self.of(stage):
-            held += 1 if slot.kind == "F" else -1
+            held += 1 if slot.kind == "F" else -1 if slot.kind == frees else 0
             peak = max(peak, held)
         return peak
 
@@ -161,7 +168,8 @@ class Timeline:
         for slot in self.slots:
             x, y = left + slot.start * unit, top + slot.stage * row
             shade = slot.chunk % 2  # a chunk's colour, lighter every other chunk
-            fill = (("#4c78a8", "#8fb3d9") if slot.kind == "F" else ("#54a24b", "#98cf8f"))[shade]
+            fill = {"F": ("#4c78a8", "#8fb3d9"), "B": ("#54a24b", "#98cf8f"),
+                    "W": ("#e45756", "#f0a09f")}[slot.kind][shade]
             length = (slot.end - slot.start) * unit
             parts.append(f'<rect x="{x:.1f}" y="{y + 2:.1f}" width="{length:.1f}" '
                          f'height="{row - 4:.1f}" fill="{fill}" stroke="white"/>')
@@ -169,8 +177,11 @@ class Timeline:
             parts.append(f'<text x="{x + (4 if length >= 20 else 3):.1f}" '
                          f'y="{y + row / 2 + 4:.1f}" fill="white">{label}</text>')
         per = " of a chunk" if self.num_chunks > 1 else ""
-        parts.append(f'<text x="{left}" y="{height - 8:.0f}">time (a forward{per} = '
-                     f'{self._duration("F"):g}, a backward{per} = {self._duration("B"):g}); '
+        durations = (f"a forward{per} = {self._duration('F'):g}, "
+                     + (f"B = {self._duration('B'):g}, W = {self._duration('W'):g}"
+                        if any(slot.kind == "W" for slot in self.slots)
+                        else f"a backward{per} = {self._duration('B'):g}"))
+        parts.append(f'<text x="{left}" y="{height - 8:.0f}">time ({durations}); '
                      f'idle {self.bubble_fraction():.0%}</text>')
         parts.append("</svg>")
         return "\n".join(parts) + "\n"
@@ -186,9 +197,16 @@ def reference_schedule(kind: str, num_stages: int, num_micro_batches: int,
     (the last micro-batch first); 1F1B warms up with p - s - 1 forwards on stage s, then
     alternates one forward and one backward, then drains the backwards; ``"interleaved"`` is
     torch's ``ScheduleInterleaved1F1B`` over ``num_stages`` ranks of ``num_chunks`` chunks
-    (:func:`interleaved_order` says how)."""
+    (:func:`interleaved_order` says how); ``"zero-bubble"`` is ZB-H1 as torch's
+    ``ScheduleInterleavedZeroBubble`` runs it with one stage per rank: 1F1B's warm-up, then
+    each forward followed by a backward of the input's gradient only (B), stage s running the
+    weights' gradient (W) of its oldest micro-batch after each B from its (s + 1)-th on, and
+    the W's left at the end."""
     if kind == "interleaved":
         return interleaved_order(num_stages, num_chunks, num_micro_batches)
+    if kind == "zero-bubble":
+        return [_zero_bubble_stage(num_stages, stage, num_micro_batches)
+                for stage in range(num_stages)]
     stages = []
     for stage in range(num_stages):
         if kind == "gpipe":
@@ -201,9 +219,24 @@ def reference_schedule(kind: str, num_stages: int, num_micro_batches: int,
                 actions += [("F", warmup + i), ("B", i)]
             actions += [("B", m) for m in range(num_micro_batches - warmup, num_micro_batches)]
         else:
-            raise ValueError(f"no reference schedule {kind!r}: 'gpipe', '1f1b' or 'interleaved'")
+            raise ValueError(f"no reference schedule {kind!r}: 'gpipe', '1f1b', 'interleaved' "
+                             f"or 'zero-bubble'")
         stages.append(actions)
     return stages
+
+
+def _zero_bubble_stage(num_stages: int, stage: int, num_micro_batches: int) -> list[Action]:
+    warmup = min(num_stages - stage - 1, num_micro_batches)
+    actions = [("F", i) for i in range(warmup)]
+    weights = 0  # the W's run so far, oldest first
+    for j in range(num_micro_batches):
+        if warmup + j < num_micro_batches:
+            actions.append(("F", warmup + j))
+        actions.append(("B", j))
+        if j >= stage:
+            actions.append(("W", weights))
+            weights += 1
+    return actions + [("W", i) for i in range(weights, num_micro_batches)]
 
 
 def interleaved_order(num_ranks: int, num_chunks: int, num_micro_batches: int
@@ -260,8 +293,9 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
     if not schedule:
         raise ScheduleError("a schedule needs at least one stage")
     chunks = num_chunks_of(schedule)
-    expected = {(kind, m, c) for kind in KINDS for m in range(num_micro_batches)
-                for c in range(chunks)}
+    split = any(isinstance(a, tuple) and a[:1] == ("W",) for actions in schedule for a in actions)
+    expected = {(kind, m, c) for kind in KINDS[:3 if split else 2]
+                for m in range(num_micro_batches) for c in range(chunks)}
 
     def name(action: tuple) -> str:
         return repr(action if chunks > 1 else action[:2])
@@ -270,10 +304,10 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
         seen: set[tuple] = set()
         for position, action in enumerate(actions):
             if (not isinstance(action, tuple) or len(action) not in (2, 3)
-                    or action[0] not in KINDS
+                    or action[0] not in KINDS[:3 if split else 2]
                     or not all(isinstance(i, int) and i >= 0 for i in action[1:])):
                 raise ScheduleError(f"stage {stage}, action {position}: {action!r} is not "
-                                    f"('F', m) or ('B', m), or ('F', m, chunk)")
+                                    f"('F', m), ('B', m) or ('W', m), or ('F', m, chunk)")
             full = (action[0], action[1], action[2] if len(action) == 3 else 0)
             if full not in expected:
                 raise ScheduleError(f"stage {stage}, action {position}: {action!r}: there are "
@@ -284,6 +318,10 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
                 raise ScheduleError(f"stage {stage} runs {name(full)} before "
                                     f"{name(('F', *full[1:]))}: a backward needs the "
                                     f"activations its forward saved")
+            if full[0] == "W" and ("B", *full[1:]) not in seen:
+                raise ScheduleError(f"stage {stage} runs {name(full)} before "
+                                    f"{name(('B', *full[1:]))}: the weights' gradients need "
+                                    f"the gradient of the output that B receives")
             seen.add(full)
         missing = sorted(expected - seen, key=lambda a: (a[2], a[1], a[0]))
         if missing:
@@ -294,7 +332,7 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
 
 def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
              forward_time: float = 1.0, backward_time: float = 2.0,
-             posting: str | None = "fused") -> Timeline:
+             posting: str | None = "fused", weight_time: float | None = None) -> Timeline:
     """When every action of ``schedule`` runs (see the module docstring for the rules).
 
     ``posting`` says how the stages post their sends and receives, which decides whether NCCL
@@ -313,6 +351,11 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
     plan = _normalised(schedule)
     ranks = len(plan)
     last = ranks * chunks - 1
+    if weight_time is None:
+        weight_time = backward_time / 2
+    split = any(a[0] == "W" for actions in plan for a in actions)
+    duration = ({"F": forward_time, "B": backward_time - weight_time, "W": weight_time} if split
+                else {"F": forward_time, "B": backward_time})
     done: dict[Key, float] = {}  # (rank, kind, micro-batch, chunk) -> end time
     position = [0] * ranks
     free = [0.0] * ranks
@@ -322,7 +365,7 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
         kind, m, chunk = action
         stage = chunk * ranks + rank
         other = stage - 1 if kind == "F" else stage + 1
-        if other < 0 or other > last:
+        if kind == "W" or other < 0 or other > last:  # W waits only for its own B, run before
             return None
         return (other % ranks, kind, m, other // ranks)
 
@@ -335,7 +378,7 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
                 if dependency is not None and dependency not in done:
                     break
                 start = max(free[rank], done[dependency] if dependency is not None else 0.0)
-                end = start + (forward_time if action[0] == "F" else backward_time) / chunks
+                end = start + duration[action[0]] / chunks
                 slots.append(Slot(rank, action[0], action[1], start, end, action[2]))
                 done[(rank, *action)] = free[rank] = end
                 position[rank] += 1
@@ -477,8 +520,10 @@ PICTURES_DIR = Path(__file__).resolve().parents[2] / "docs" / "assets" / "pipeli
 # The lesson's pictures: 4 ranks, 8 micro-batches, a backward twice as long as a forward;
 # interleaved 1F1B with 2 chunks per rank (each chunk's forward half a rank's).
 PICTURES = {"gpipe.svg": ("gpipe", 4, 8, 1), "1f1b.svg": ("1f1b", 4, 8, 1),
-            "interleaved.svg": ("interleaved", 4, 8, 2)}
-TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B"}
+            "interleaved.svg": ("interleaved", 4, 8, 2),
+            "zero-bubble.svg": ("zero-bubble", 4, 8, 1)}
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B",
+          "zero-bubble": "Zero bubble (ZB-H1)"}
 
 
 def pictures() -> dict[str, str]:

@@ -14,7 +14,7 @@ import pytest
 from harness.exercises import raise_if_untouched
 from harness.ranks import in_a_child
 from harness.sweep import st, sweep
-from lesson07.common import torch_interleaved_orders
+from lesson07.common import torch_orders as torch_built
 from lesson07.simulator import Deadlock, ScheduleError, simulate
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is
@@ -53,7 +53,7 @@ MAX_RANKS, MAX_CHUNKS, MAX_MICRO_BATCHES = 6, 4, 16
 @functools.cache
 def torch_orders() -> dict:
     """Read once, when a test first needs it (an untouched stub never does)."""
-    return in_a_child(torch_interleaved_orders, MAX_RANKS, MAX_CHUNKS, MAX_MICRO_BATCHES,
+    return in_a_child(torch_built, "interleaved", MAX_RANKS, MAX_CHUNKS, MAX_MICRO_BATCHES,
                       timeout=60)
 
 

@@ -103,6 +103,21 @@ for v in (1, 2, 4):
 # boundaries instead of p - 1.
 
 # %% [markdown]
+# ### Zero bubble (ZB-H1)
+#
+# Split each backward into B, the gradient of the stage's input (the stage before waits for
+# it), and W, the weights' gradients (nobody waits for them), each half the backward's time.
+# Stage s holds back its first s W's to fill the wait at the end of the step:
+
+# %%
+zero = reference_schedule("zero-bubble", p, m)
+print("stage 1:", zero[1][:10], "...")
+timeline = simulate(zero, m, posting=None)
+print(f"zero bubble: idle {timeline.bubble_fraction():.1%} (formula (p - 1) / (3 m + p - 1) = "
+      f"{(p - 1) / (3 * m + p - 1):.1%}), activations held per stage "
+      f"{[timeline.peak_in_flight(s) for s in range(p)]}")
+
+# %% [markdown]
 # ## 3. A deadlock, on paper
 #
 # Stage 0 runs F0 B0 F1 B1; stage 1 runs F0 F1 B0 B1. Stage 0 cannot send micro-batch 1 until it
