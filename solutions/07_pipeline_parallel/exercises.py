@@ -380,3 +380,33 @@ def zero_bubble(num_stages: int, num_micro_batches: int) -> list[list[tuple[str,
         stages.append(actions)
     return stages
 # --8<-- [end:zero_bubble]
+
+
+# --8<-- [start:average_over_copies]
+def average_over_copies(module: nn.Module, mesh) -> None:
+    """After one step of a pipeline that is also data parallel, make the gradients of this
+    rank's stage those of the whole batch: average each of ``module``'s gradients over the
+    copies of this stage.
+
+    ``mesh`` is a 2-D ``DeviceMesh`` with a dimension named ``"pp"`` and one named ``"dp"``, in
+    either order: the ranks along ``"pp"`` are one copy of the pipeline, its stages in order;
+    the ranks along ``"dp"`` hold the same stage, each copy fed its own share of the batch.
+    All-reduce each gradient over ``mesh["dp"]``'s process group and divide it by that group's
+    size. Not over the world: its other ranks hold other stages, whose gradients are of other
+    parameters. A ``"dp"`` dimension of size 1 leaves the gradients as they are. Parameters
+    without a gradient are skipped.
+
+    The test sets known gradients on 4 ranks (meshes of 2 x 2, in both orders, and 4 x 1 and
+    1 x 4) and compares each rank's with the average over its stage's copies; then trains the
+    running example as 2 copies of a 2-stage 1F1B pipeline (torch's ``Schedule1F1B`` over
+    ``mesh["pp"]``) against one process on the whole batch.
+    """
+    copies = mesh["dp"]
+    if copies.size() == 1:
+        return
+    group = copies.get_group()
+    for parameter in module.parameters():
+        if parameter.grad is not None:
+            dist.all_reduce(parameter.grad, group=group)
+            parameter.grad /= copies.size()
+# --8<-- [end:average_over_copies]
