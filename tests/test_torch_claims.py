@@ -704,7 +704,7 @@ def test_interleaved_1f1b_is_the_simulators_order_and_trains_like_one_process():
     assert [one_f_one_b.peak_in_flight(r) for r in (0, 3)] == [4, 1]
     assert simulate(orders[4, 1, 8], 8, posting=None).peak_activations(0) == 7
     few = simulate(orders[4, 2, 3], 3, posting=None).bubble_fraction()
-    assert round(few, 2) == 0.40 and round(3 / (2 * 3 + 3), 2) == 0.33, few
+    assert round(few, 2) == 0.40, few  # the formula's 3 / 9 = 33 %
     results = run_on_ranks(interleaved_steps, 4, STEPS, world_size=2, timeout=90)
     assert_trains_like_one_process(results, "torch's ScheduleInterleaved1F1B, 2 ranks x 2 "
                                    "chunks, 4 micro-batches", 4)
@@ -746,7 +746,8 @@ def test_zero_bubble_is_the_lessons_order_and_trains_like_one_process():
     lesson's ZB-H1 order (the simulator's, task7_6) on every shape up to 6 ranks and 16
     micro-batches it accepts; in the simulator (F = B = W) it leaves each stage a third of
     1F1B's idle time, (p - 1) / (3 m + p - 1) of the step for m >= p, and holds p micro-batches'
-    activations on every stage; torch splits the backward itself (stage_backward_input and
+    activations on every stage; with m < p more (5 idle units against 9 for 4 stages and 2
+    micro-batches); torch splits the backward itself (stage_backward_input and
     stage_backward_weight) and has ScheduleDualPipeV, whose steps overlap one micro-batch's
     forward with another's backward; ScheduleInterleavedZeroBubble and, in torch 2.14,
     ScheduleZBVZeroBubble (two stages per rank, in a V) take the unsplit model's steps on 2 gloo
@@ -781,12 +782,24 @@ def test_zero_bubble_is_the_lessons_order_and_trains_like_one_process():
             assert [zb.peak_in_flight(s) for s in range(p)] == [p] * p, (p, m)
     results = run_on_ranks(zero_bubble_steps, "zb", 4, STEPS, world_size=2, timeout=90)
     assert_trains_like_one_process(results, "torch's zero-bubble schedule, 2 ranks", 4)
-    try:
-        results = run_on_ranks(zero_bubble_steps, "zbv", 4, STEPS, world_size=2, timeout=90)
-    except RankError as error:  # torch 2.11: its first step sends from rank 1 to rank 1
-        assert older_than_2_14() and "Pair is not connected" in str(error), error
+    zb = simulate(reference_schedule("zero-bubble", 4, 2), 2, posting=None)
+    one = simulate(reference_schedule("1f1b", 4, 2), 2, posting=None)
+    assert [zb.idle(s) for s in range(4)] == [5] * 4 and [one.idle(s) for s in range(4)] == [9] * 4
+    # ZBV's V: rank r holds stages r and 2p - 1 - r, rank 0 the first and the last
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    v = generate_stage_to_rank_mapping(2, 4, style="v")
+    assert v == {0: 0, 1: 1, 2: 1, 3: 0}, v
+    if torch.__version__.startswith("2.11."):  # its first step sends from rank 1 to rank 1
+        with pytest.raises(RankError, match="Pair is not connected"):
+            run_on_ranks(zero_bubble_steps, "zbv", 4, STEPS, world_size=2, timeout=90)
     else:
-        assert_trains_like_one_process(results, "torch's ZBV schedule, 2 ranks", 4)
+        try:
+            results = run_on_ranks(zero_bubble_steps, "zbv", 4, STEPS, world_size=2, timeout=90)
+        except RankError as error:  # releases between 2.11 and 2.14 may have either behaviour
+            assert older_than_2_14() and "Pair is not connected" in str(error), error
+        else:
+            assert_trains_like_one_process(results, "torch's ZBV schedule, 2 ranks", 4)
 
 
 def test_bf16_and_fp16_mantissas_and_ranges():

@@ -41,7 +41,7 @@ ranks one post after another, a send complete only once its receive runs), else
 formula's assumption).
 
 The lesson's graded ``schedule()`` is checked with this module; the walkthrough runs it. It also
-draws the lesson's pictures of the two schedules:
+draws the lesson's pictures of the schedules (GPipe, 1F1B, interleaved, zero bubble):
 
     python lessons/07_pipeline_parallel/simulator.py --write   # docs/assets/pipeline/*.svg
     python lessons/07_pipeline_parallel/simulator.py --check   # exit 1 when one is stale
@@ -117,7 +117,7 @@ class Timeline:
 
     @property
     def makespan(self) -> float:
-        """From the first forward's start to the last backward's end."""
+        """From the first forward's start to the last action's end (a backward, or a W)."""
         return max(slot.end for slot in self.slots)
 
     def of(self, stage: int) -> list[Slot]:
@@ -136,7 +136,8 @@ class Timeline:
 
     def peak_in_flight(self, stage: int) -> int:
         """The most micro-batches whose activations ``stage`` holds at once: forwards done
-        whose backward has not run yet (with chunks, each chunk's forward counts one)."""
+        whose backward (or, where the backward is split, whose W) has not run yet; with
+        chunks, each chunk's forward counts one."""
         frees = "W" if any(slot.kind == "W" for slot in self.slots) else "B"
         held = peak = 0
         for slot in self.of(stage):
@@ -150,8 +151,9 @@ class Timeline:
         return self.peak_in_flight(stage) / self.num_chunks
 
     def svg(self, title: str = "", unit: float = 24.0, row: float = 28.0) -> str:
-        """The timeline as an SVG picture: one row per stage, forwards blue, backwards green,
-        each labelled with its micro-batch; idle time left blank."""
+        """The timeline as an SVG picture: one row per stage (per rank, with chunks), forwards
+        blue, backwards (or B) green, W's red, every other chunk lighter, each labelled with its
+        micro-batch; idle time left grey."""
         left, top = 70.0, 30.0 if title else 8.0
         width = left + self.makespan * unit + 10
         height = top + self.num_stages * row + 26
@@ -305,7 +307,8 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
         for position, action in enumerate(actions):
             if (not isinstance(action, tuple) or len(action) not in (2, 3)
                     or action[0] not in KINDS[:3 if split else 2]
-                    or not all(isinstance(i, int) and i >= 0 for i in action[1:])):
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                               for i in action[1:])):
                 raise ScheduleError(f"stage {stage}, action {position}: {action!r} is not "
                                     f"('F', m), ('B', m) or ('W', m), or ('F', m, chunk)")
             full = (action[0], action[1], action[2] if len(action) == 3 else 0)
@@ -353,6 +356,9 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
     last = ranks * chunks - 1
     if weight_time is None:
         weight_time = backward_time / 2
+    if not 0 <= weight_time <= backward_time:
+        raise ValueError(f"weight_time {weight_time} must lie between 0 and the backward's "
+                         f"{backward_time}: W is a part of the backward")
     split = any(a[0] == "W" for actions in plan for a in actions)
     duration = ({"F": forward_time, "B": backward_time - weight_time, "W": weight_time} if split
                 else {"F": forward_time, "B": backward_time})
@@ -432,10 +438,10 @@ def posts(schedule: Sequence[Sequence[Action]], fused: bool = True) -> list[list
     same neighbour, else alone before it; otherwise every operation is posted alone."""
     last = len(schedule) - 1
     posted: list[list[Post]] = []
-    for stage, actions in enumerate(schedule):
+    for stage, actions in enumerate(_normalised(schedule)):
         mine: list[Post] = []
         held: Op | None = None
-        for kind, m in actions:
+        for kind, m, _ in actions:
             receive = (Op("recv", stage - 1, f"F{m}'s activations") if kind == "F" and stage > 0
                        else Op("recv", stage + 1, f"B{m}'s gradient") if kind == "B"
                        and stage < last else None)

@@ -54,7 +54,7 @@ MAX_RANKS, MAX_CHUNKS, MAX_MICRO_BATCHES = 6, 4, 16
 def torch_orders() -> dict:
     """Read once, when a test first needs it (an untouched stub never does)."""
     return in_a_child(torch_built, "interleaved", MAX_RANKS, MAX_CHUNKS, MAX_MICRO_BATCHES,
-                      timeout=60)
+                      timeout=120)
 
 
 # (ranks, chunks, micro-batches): the text's picture; m < p; m not a multiple of p, in rounds
@@ -106,9 +106,11 @@ def test_interleaved_runs_in_the_simulator_with_the_bubble_of_the_text(ex, ranks
 
 
 @pytest.mark.task7_5
-@pytest.mark.parametrize("arguments", [(4, 2, 9), (3, 2, 7), (0, 2, 4), (2, 0, 4), (2, 2, 0)],
+@pytest.mark.parametrize("arguments", [(4, 2, 9), (3, 2, 7), (0, 2, 4), (2, 0, 4), (2, 2, 0),
+                                       (-1, 2, 4), (2, -1, 4), (2, 2, -3)],
                          ids=["m9-in-2-rounds", "m7-in-2-rounds", "no-ranks", "no-chunks",
-                              "no-micro-batches"])
+                              "no-micro-batches", "negative-ranks", "negative-chunks",
+                              "negative-micro-batches"])
 def test_interleaved_rejects_what_is_not_one(ex, arguments):
     raise_if_untouched(ex.interleaved)
     try:
@@ -120,7 +122,8 @@ def test_interleaved_rejects_what_is_not_one(ex, arguments):
                              f"raise ValueError") from None
     p, _, m = arguments
     why = (f": {m} micro-batches go in max(1, m // p) = {max(1, m // p)} rounds, and {m} is "
-           f"not a multiple of that" if p > 0 and m > 0 and arguments[1] > 0 else "")
+           f"not a multiple of that" if p > 0 and m > 0 and arguments[1] > 0
+           else ": every count must be at least 1")
     raise AssertionError(f"interleaved{arguments} returned {got!r:.80}: raise ValueError{why}")
 
 
@@ -156,6 +159,9 @@ def assert_torchs_order(ex, ranks: int, chunks: int, micro_batches: int) -> None
         raise AssertionError(f"{call} raised ValueError ({error}), but torch builds it: "
                              f"{micro_batches} micro-batches go in {rounds} round(s) of "
                              f"{micro_batches // rounds}") from None
+    except ZeroDivisionError as error:
+        raise AssertionError(f"{call} divided by zero ({error}): with fewer micro-batches than "
+                             f"ranks there is one round, max(1, m // p)") from None
     assert_shape(got, call, ranks)
     for rank in range(ranks):
         mine = [tuple(action) for action in got[rank]]
