@@ -802,6 +802,31 @@ def test_zero_bubble_is_the_lessons_order_and_trains_like_one_process():
             assert_trains_like_one_process(results, "torch's ZBV schedule, 2 ranks", 4)
 
 
+def test_a_pipelines_step_follows_its_slowest_stage():
+    """07 README: with stage s taking T_s per micro-batch, GPipe's step is sum(T) + (m - 1) *
+    max(T) and 1F1B's no longer (and at least m * max(T), the slowest stage's own work), in the
+    simulator, on generated stage times; a stage 20 % slower makes a long pipeline about 20 %
+    slower."""
+    import random
+
+    from lesson07.simulator import reference_schedule, simulate
+
+    draw = random.Random(0)
+    for _ in range(200):
+        p, m = draw.randint(1, 5), draw.randint(1, 12)
+        times = [draw.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(p)]
+        formula = sum(times) + (m - 1) * max(times)
+        steps = {kind: simulate(reference_schedule(kind, p, m), m, forward_time=1 / 3,
+                                backward_time=2 / 3, posting=None, stage_cost=times).makespan
+                 for kind in ("gpipe", "1f1b")}
+        assert steps["gpipe"] == pytest.approx(formula), (p, m, times, steps)
+        assert m * max(times) - 1e-9 <= steps["1f1b"] <= formula + 1e-9, (p, m, times, steps)
+    even = simulate(reference_schedule("1f1b", 4, 64), 64, posting=None).makespan
+    slow = simulate(reference_schedule("1f1b", 4, 64), 64, posting=None,
+                    stage_cost=[1, 1, 1.2, 1]).makespan
+    assert 1.18 < slow / even < 1.2, slow / even
+
+
 def test_bf16_and_fp16_mantissas_and_ranges():
     """08 README: bf16 "stores 7 mantissa bits (8 significant bits with the implicit leading
     one: a relative rounding error of up to 2⁻⁸, 0.4 %)" with fp32's exponent range; fp16

@@ -335,7 +335,8 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
 
 def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
              forward_time: float = 1.0, backward_time: float = 2.0,
-             posting: str | None = "fused", weight_time: float | None = None) -> Timeline:
+             posting: str | None = "fused", weight_time: float | None = None,
+             stage_cost: Sequence[float] | None = None) -> Timeline:
     """When every action of ``schedule`` runs (see the module docstring for the rules).
 
     ``posting`` says how the stages post their sends and receives, which decides whether NCCL
@@ -343,7 +344,10 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
     send posted in one batch with the next action's receive from the same neighbour);
     ``"separate"``, every operation on its own (raises :class:`UnsafeOrder` for 1F1B); ``None``
     leaves communication out, as an interleaved schedule must (the model of the links covers
-    one stage per rank)."""
+    one stage per rank).
+
+    ``stage_cost`` makes the stages uneven: rank r's every action takes ``stage_cost[r]``
+    times its duration (one number per rank; all 1 unless given)."""
     if posting not in ("fused", "separate", None):
         raise ValueError(f"posting must be 'fused', 'separate' or None, not {posting!r}")
     validate(schedule, num_micro_batches)
@@ -360,6 +364,10 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
         raise ValueError(f"weight_time {weight_time} must lie between 0 and the backward's "
                          f"{backward_time}: W is a part of the backward")
     split = any(a[0] == "W" for actions in plan for a in actions)
+    cost = [1.0] * ranks if stage_cost is None else [float(c) for c in stage_cost]
+    if len(cost) != ranks or any(c <= 0 for c in cost):
+        raise ValueError(f"stage_cost needs one positive number per rank ({ranks}), got "
+                         f"{stage_cost!r}")
     duration = ({"F": forward_time, "B": backward_time - weight_time, "W": weight_time} if split
                 else {"F": forward_time, "B": backward_time})
     done: dict[Key, float] = {}  # (rank, kind, micro-batch, chunk) -> end time
@@ -384,7 +392,7 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
                 if dependency is not None and dependency not in done:
                     break
                 start = max(free[rank], done[dependency] if dependency is not None else 0.0)
-                end = start + duration[action[0]] / chunks
+                end = start + duration[action[0]] * cost[rank] / chunks
                 slots.append(Slot(rank, action[0], action[1], start, end, action[2]))
                 done[(rank, *action)] = free[rank] = end
                 position[rank] += 1

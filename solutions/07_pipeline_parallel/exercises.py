@@ -410,3 +410,35 @@ def average_over_copies(module: nn.Module, mesh) -> None:
             dist.all_reduce(parameter.grad, group=group)
             parameter.grad /= copies.size()
 # --8<-- [end:average_over_copies]
+
+
+# --8<-- [start:balance_by_time]
+def balance_by_time(seconds: list[float], num_stages: int) -> list[int]:
+    """How many consecutive layers each of ``num_stages`` stages gets so that the slowest stage
+    is as fast as it can be: ``seconds[i]`` is layer i's measured forward and backward time
+    (the embeddings counted in the first layer's, the head in the last's), a stage's time the
+    sum of its layers'. Returns one count per stage, each at least 1, summing to
+    ``len(seconds)``.
+
+    Of every way to cut the layers into ``num_stages`` non-empty runs, take one whose slowest
+    stage is fastest; where several tie, the one with the fewest layers in the first stage, then
+    in the second, and so on (task 7_3's rule, on time instead of parameters). Every cut takes
+    the same total time, so under GPipe, whose step is that total plus (m - 1) times the
+    slowest stage, this cut gives the shortest step. More stages than layers, or fewer than 1,
+    raise ``ValueError`` naming both numbers.
+
+    The test compares your cut with every cut of generated times (ties included), and runs the
+    simulator with the stages' times.
+    """
+    n = len(seconds)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"{n} layers cannot be cut into {num_stages} stages of at least one "
+                         f"layer each")
+    best = None
+    for cuts in itertools.combinations(range(1, n), num_stages - 1):
+        bounds = (0, *cuts, n)
+        slowest = max(sum(seconds[a:b]) for a, b in itertools.pairwise(bounds))
+        if best is None or slowest < best[0]:
+            best = (slowest, bounds)
+    return [end - start for start, end in itertools.pairwise(best[1])]
+# --8<-- [end:balance_by_time]

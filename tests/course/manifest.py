@@ -120,7 +120,8 @@ COURSE: tuple[Lesson, ...] = (
     Lesson("07_pipeline_parallel", "Pipeline parallel: stages, schedules, torch.pipelining",
            {"task7_1": "schedule", "task7_2": "StageRunner", "task7_3": "split_gpt",
             "task7_4": "torch_schedule, torch_step", "task7_5": "interleaved",
-            "task7_6": "zero_bubble", "task7_7": "average_over_copies"},
+            "task7_6": "zero_bubble", "task7_7": "average_over_copies",
+            "task7_8": "balance_by_time"},
            # 75 changed: the stage cut, the schedule, the weights shared back for evaluation and
            # the stages' busy clock are all this lesson's, and none fits into lesson 03's lines.
            (Script("train_pp.py", "torchrun", 2, (*QUICK, "--micro-batches", "2"),
