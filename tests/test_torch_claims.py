@@ -803,10 +803,10 @@ def test_zero_bubble_is_the_lessons_order_and_trains_like_one_process():
 
 
 def test_a_pipelines_step_follows_its_slowest_stage():
-    """07 README: with stage s taking T_s per micro-batch, GPipe's step is sum(T) + (m - 1) *
-    max(T) and 1F1B's no longer (and at least m * max(T), the slowest stage's own work), in the
-    simulator, on generated stage times; a stage 20 % slower makes a long pipeline about 20 %
-    slower."""
+    """07 README: with stage s taking T_s per micro-batch (backward a fixed multiple of the
+    forward), GPipe's step is sum(T) + (m - 1) * max(T) and 1F1B's no longer, in the
+    simulator, on generated stage times; one stage 20 % slower makes 4 stages of 64
+    micro-batches 19 % slower."""
     import random
 
     from lesson07.simulator import reference_schedule, simulate
@@ -820,11 +820,11 @@ def test_a_pipelines_step_follows_its_slowest_stage():
                                 backward_time=2 / 3, posting=None, stage_cost=times).makespan
                  for kind in ("gpipe", "1f1b")}
         assert steps["gpipe"] == pytest.approx(formula), (p, m, times, steps)
-        assert m * max(times) - 1e-9 <= steps["1f1b"] <= formula + 1e-9, (p, m, times, steps)
+        assert steps["1f1b"] <= formula + 1e-9, (p, m, times, steps)
     even = simulate(reference_schedule("1f1b", 4, 64), 64, posting=None).makespan
     slow = simulate(reference_schedule("1f1b", 4, 64), 64, posting=None,
                     stage_cost=[1, 1, 1.2, 1]).makespan
-    assert 1.18 < slow / even < 1.2, slow / even
+    assert round(slow / even, 2) == 1.19, slow / even
 
 
 def test_bf16_and_fp16_mantissas_and_ranges():

@@ -38,7 +38,7 @@ receives each stage posts must be an order NCCL can run (:func:`check_links`: be
 ranks one post after another, a send complete only once its receive runs), else
 :class:`UnsafeOrder`. Communication is otherwise taken as free; a forward takes
 ``forward_time`` and a backward ``backward_time`` on every stage (even stages: the bubble
-formula's assumption).
+formula's assumption), unless ``stage_cost`` makes some slower.
 
 The lesson's graded ``schedule()`` is checked with this module; the walkthrough runs it. It also
 draws the lesson's pictures of the schedules (GPipe, 1F1B, interleaved, zero bubble):
@@ -365,7 +365,7 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
                          f"{backward_time}: W is a part of the backward")
     split = any(a[0] == "W" for actions in plan for a in actions)
     cost = [1.0] * ranks if stage_cost is None else [float(c) for c in stage_cost]
-    if len(cost) != ranks or any(c <= 0 for c in cost):
+    if len(cost) != ranks or not all(0 < c < float("inf") for c in cost):  # NaN fails too
         raise ValueError(f"stage_cost needs one positive number per rank ({ranks}), got "
                          f"{stage_cost!r}")
     duration = ({"F": forward_time, "B": backward_time - weight_time, "W": weight_time} if split

@@ -424,7 +424,8 @@ def balance_by_time(seconds: list[float], num_stages: int) -> list[int]:
     stage is fastest; where several tie, the one with the fewest layers in the first stage, then
     in the second, and so on (task 7_3's rule, on time instead of parameters). Every cut takes
     the same total time, so under GPipe, whose step is that total plus (m - 1) times the
-    slowest stage, this cut gives the shortest step. More stages than layers, or fewer than 1,
+    slowest stage (when each stage's backward is the same multiple of its forward), this cut
+    gives the shortest step. More stages than layers, or fewer than 1,
     raise ``ValueError`` naming both numbers.
 
     The test compares your cut with every cut of generated times (ties included), and runs the
