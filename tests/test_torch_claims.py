@@ -640,30 +640,36 @@ def test_schedule_1f1b_posts_a_send_in_one_batch_with_the_neighbours_receive():
     assert "fwd_sends + bwd_recvs" in source and "bwd_sends + fwd_recvs" in source
 
 
-def interleaved_steps(ctx, m: int, steps: int) -> dict:
-    """torch's ScheduleInterleaved1F1B on this rank's two chunks of the 4-block GPT: chunk c
-    is block c * p + rank, so rank 0 holds blocks 0 and 2 (and the embeddings), rank 1 blocks
-    1 and 3 (and the head)."""
+def torch_schedule_steps(ctx, kind: str, m: int, steps: int) -> dict:
+    """One of torch's multi-stage schedules on the 4-block GPT, ``steps`` SGD steps:
+    "interleaved" is ScheduleInterleaved1F1B with two chunks per rank, chunk c being block
+    c * p + rank (rank 0 holds blocks 0 and 2 and the embeddings, rank 1 blocks 1 and 3 and the
+    head); "zb" ScheduleInterleavedZeroBubble with one stage of two blocks per rank; "zbv"
+    ScheduleZBVZeroBubble, whose V puts stages r and 2p - 1 - r on rank r (rank 0 holds block 0
+    and block 3, the first and the last)."""
     from gpt import GPTStage
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
 
     from lesson07.common import batch, make_gpt, next_token_loss, train_stage
 
-    p = ctx.world_size
+    p, r = ctx.world_size, ctx.rank
     model = make_gpt()
-    chunks = nn.ModuleList(GPTStage(model, c * p + ctx.rank, c * p + ctx.rank + 1)
-                           for c in range(2))
-    stages = [PipelineStage(chunk, c * p + ctx.rank, 2 * p, ctx.device)
-              for c, chunk in enumerate(chunks)]
-    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=next_token_loss)
+    indices = {"interleaved": [r, p + r], "zb": [r], "zbv": [r, 2 * p - 1 - r]}[kind]
+    per = 4 // (p * len(indices))
+    chunks = nn.ModuleList(GPTStage(model, k * per, (k + 1) * per) for k in indices)
+    stages = [pipelining.PipelineStage(chunk, k, p * len(indices), ctx.device)
+              for k, chunk in zip(indices, chunks, strict=True)]
+    cls = {"interleaved": pipelining.ScheduleInterleaved1F1B,
+           "zb": pipelining.ScheduleInterleavedZeroBubble,
+           "zbv": pipelining.ScheduleZBVZeroBubble}[kind]
+    schedule = cls(stages, n_microbatches=m, loss_fn=next_token_loss)
+    first, last = 0, (0 if kind == "zbv" else p - 1)  # the ranks of the first and last stage
 
     def one_step(step: int) -> list[float]:
         inputs, targets = batch(step)
-        if ctx.rank == 0:
-            schedule.step(inputs)
-            return []
         losses: list = []
-        schedule.step(target=targets, losses=losses)
+        kwargs = {"target": targets, "losses": losses} if r == last else {}
+        schedule.step(*([inputs] if r == first else []), **kwargs)
         return [float(loss) for loss in losses]
 
     return train_stage(model, chunks, one_step, steps)
@@ -705,40 +711,9 @@ def test_interleaved_1f1b_is_the_simulators_order_and_trains_like_one_process():
     assert simulate(orders[4, 1, 8], 8, posting=None).peak_activations(0) == 7
     few = simulate(orders[4, 2, 3], 3, posting=None).bubble_fraction()
     assert round(few, 2) == 0.40, few  # the formula's 3 / 9 = 33 %
-    results = run_on_ranks(interleaved_steps, 4, STEPS, world_size=2, timeout=90)
+    results = run_on_ranks(torch_schedule_steps, "interleaved", 4, STEPS, world_size=2, timeout=90)
     assert_trains_like_one_process(results, "torch's ScheduleInterleaved1F1B, 2 ranks x 2 "
                                    "chunks, 4 micro-batches", 4)
-
-
-def zero_bubble_steps(ctx, kind: str, m: int, steps: int) -> dict:
-    """torch's zero-bubble schedules on the 4-block GPT: "zb" is ScheduleInterleavedZeroBubble
-    with one stage of two blocks per rank; "zbv" ScheduleZBVZeroBubble, whose V puts stages r
-    and 2p - 1 - r on rank r (rank 0 holds block 0 and block 3, the first and the last)."""
-    from gpt import GPTStage
-    from torch.distributed import pipelining
-
-    from lesson07.common import batch, make_gpt, next_token_loss, train_stage
-
-    p, r = ctx.world_size, ctx.rank
-    model = make_gpt()
-    indices = [r] if kind == "zb" else [r, 2 * p - 1 - r]
-    per = 4 // (p * len(indices))
-    chunks = nn.ModuleList(GPTStage(model, k * per, (k + 1) * per) for k in indices)
-    stages = [pipelining.PipelineStage(chunk, k, p * len(indices), ctx.device)
-              for k, chunk in zip(indices, chunks, strict=True)]
-    cls = (pipelining.ScheduleInterleavedZeroBubble if kind == "zb"
-           else pipelining.ScheduleZBVZeroBubble)
-    schedule = cls(stages, n_microbatches=m, loss_fn=next_token_loss)
-    first, last = 0, (p - 1 if kind == "zb" else 0)
-
-    def one_step(step: int) -> list[float]:
-        inputs, targets = batch(step)
-        losses: list = []
-        kwargs = {"target": targets, "losses": losses} if r == last else {}
-        schedule.step(*([inputs] if r == first else []), **kwargs)
-        return [float(loss) for loss in losses]
-
-    return train_stage(model, chunks, one_step, steps)
 
 
 def test_zero_bubble_is_the_lessons_order_and_trains_like_one_process():
@@ -780,7 +755,7 @@ def test_zero_bubble_is_the_lessons_order_and_trains_like_one_process():
             idle = [zb.idle(s) / one.idle(s) for s in range(p) if p > 1]
             assert idle == pytest.approx([1 / 3] * len(idle)), (p, m, idle)
             assert [zb.peak_in_flight(s) for s in range(p)] == [p] * p, (p, m)
-    results = run_on_ranks(zero_bubble_steps, "zb", 4, STEPS, world_size=2, timeout=90)
+    results = run_on_ranks(torch_schedule_steps, "zb", 4, STEPS, world_size=2, timeout=90)
     assert_trains_like_one_process(results, "torch's zero-bubble schedule, 2 ranks", 4)
     zb = simulate(reference_schedule("zero-bubble", 4, 2), 2, posting=None)
     one = simulate(reference_schedule("1f1b", 4, 2), 2, posting=None)
@@ -792,10 +767,10 @@ def test_zero_bubble_is_the_lessons_order_and_trains_like_one_process():
     assert v == {0: 0, 1: 1, 2: 1, 3: 0}, v
     if torch.__version__.startswith("2.11."):  # its first step sends from rank 1 to rank 1
         with pytest.raises(RankError, match="Pair is not connected"):
-            run_on_ranks(zero_bubble_steps, "zbv", 4, STEPS, world_size=2, timeout=90)
+            run_on_ranks(torch_schedule_steps, "zbv", 4, STEPS, world_size=2, timeout=90)
     else:
         try:
-            results = run_on_ranks(zero_bubble_steps, "zbv", 4, STEPS, world_size=2, timeout=90)
+            results = run_on_ranks(torch_schedule_steps, "zbv", 4, STEPS, world_size=2, timeout=90)
         except RankError as error:  # releases between 2.11 and 2.14 may have either behaviour
             assert older_than_2_14() and "Pair is not connected" in str(error), error
         else:

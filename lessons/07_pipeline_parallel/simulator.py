@@ -138,12 +138,17 @@ class Timeline:
         """The most micro-batches whose activations ``stage`` holds at once: forwards done
         whose backward (or, where the backward is split, whose W) has not run yet; with
         chunks, each chunk's forward counts one."""
-        frees = "W" if any(slot.kind == "W" for slot in self.slots) else "B"
+        frees = "W" if self.splits_backward else "B"
         held = peak = 0
         for slot in self.of(stage):
             held += 1 if slot.kind == "F" else -1 if slot.kind == frees else 0
             peak = max(peak, held)
         return peak
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule ran W's: its backwards split into B and W."""
+        return any(slot.kind == "W" for slot in self.slots)
 
     def peak_activations(self, stage: int) -> float:
         """The most activations ``stage`` holds at once, in micro-batches through all its
@@ -181,7 +186,7 @@ class Timeline:
         per = " of a chunk" if self.num_chunks > 1 else ""
         durations = (f"a forward{per} = {self._duration('F'):g}, "
                      + (f"B = {self._duration('B'):g}, W = {self._duration('W'):g}"
-                        if any(slot.kind == "W" for slot in self.slots)
+                        if self.splits_backward
                         else f"a backward{per} = {self._duration('B'):g}"))
         parts.append(f'<text x="{left}" y="{height - 8:.0f}">time ({durations}); '
                      f'idle {self.bubble_fraction():.0%}</text>')
@@ -285,8 +290,18 @@ def num_chunks_of(schedule: Sequence[Sequence[Action]]) -> int:
                     and isinstance(action[2], int)), default=0)
 
 
+def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
+    """Whether the schedule has W actions: its backwards split into B and W."""
+    return any(isinstance(a, tuple) and a[:1] == ("W",) for actions in schedule for a in actions)
+
+
+def _full(action: Action) -> tuple[str, int, int]:
+    """``action`` with its chunk, 0 where it names none."""
+    return (action[0], action[1], action[2] if len(action) == 3 else 0)
+
+
 def _normalised(schedule: Sequence[Sequence[Action]]) -> list[list[tuple[str, int, int]]]:
-    return [[(a[0], a[1], a[2] if len(a) == 3 else 0) for a in actions] for actions in schedule]
+    return [[_full(a) for a in actions] for actions in schedule]
 
 
 def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> None:
@@ -295,7 +310,7 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
     if not schedule:
         raise ScheduleError("a schedule needs at least one stage")
     chunks = num_chunks_of(schedule)
-    split = any(isinstance(a, tuple) and a[:1] == ("W",) for actions in schedule for a in actions)
+    split = splits_backward(schedule)
     expected = {(kind, m, c) for kind in KINDS[:3 if split else 2]
                 for m in range(num_micro_batches) for c in range(chunks)}
 
@@ -311,7 +326,7 @@ def validate(schedule: Sequence[Sequence[Action]], num_micro_batches: int) -> No
                                for i in action[1:])):
                 raise ScheduleError(f"stage {stage}, action {position}: {action!r} is not "
                                     f"('F', m), ('B', m) or ('W', m), or ('F', m, chunk)")
-            full = (action[0], action[1], action[2] if len(action) == 3 else 0)
+            full = _full(action)
             if full not in expected:
                 raise ScheduleError(f"stage {stage}, action {position}: {action!r}: there are "
                                     f"micro-batches 0 to {num_micro_batches - 1}")
@@ -363,7 +378,7 @@ def simulate(schedule: Sequence[Sequence[Action]], num_micro_batches: int,
     if not 0 <= weight_time <= backward_time:
         raise ValueError(f"weight_time {weight_time} must lie between 0 and the backward's "
                          f"{backward_time}: W is a part of the backward")
-    split = any(a[0] == "W" for actions in plan for a in actions)
+    split = splits_backward(schedule)
     cost = [1.0] * ranks if stage_cost is None else [float(c) for c in stage_cost]
     if len(cost) != ranks or not all(0 < c < float("inf") for c in cost):  # NaN fails too
         raise ValueError(f"stage_cost needs one positive number per rank ({ranks}), got "
