@@ -22,7 +22,8 @@ SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
 
 BENCH = f"lessons/{LESSON}/bench_collectives.py"
 METHODS = f"lessons/{LESSON}/compare_methods.py"
-TINY = dict(width=32, blocks=2, context=16, batch_size=8)  # compare_methods.py's smallest run
+# compare_methods.py's smallest run: 4 blocks, for interleaved 1F1B's 2 chunks on each of 2 ranks
+TINY = dict(width=32, blocks=4, context=16, batch_size=8)
 
 
 def assert_refuses(function, arguments, why: str) -> ValueError:

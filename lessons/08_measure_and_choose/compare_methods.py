@@ -2,16 +2,20 @@
 
     python lessons/08_measure_and_choose/compare_methods.py --csv methods.csv --plot methods.svg
 
-For one process, DDP, FSDP2, tensor parallel and pipeline parallel (and nn.DataParallel where
-there are 2 GPUs), this starts ``torchrun --nproc-per-node=2`` on this same file once. Its ranks
-train the same model with each method in turn, for ``--steps`` timed steps of ``--batch-size``
-sequences in all (split over the ranks as the method splits them; a one-process method runs on
-rank 0 while rank 1 waits), and report for each method:
+For one process, DDP, FSDP2 (as it is, with every block checkpointed, and never resharded after
+the forward), tensor parallel and pipeline parallel (1F1B, interleaved 1F1B with 2 chunks per
+rank, and zero bubble), and nn.DataParallel where there are 2 GPUs, this starts
+``torchrun --nproc-per-node=2`` on this same file once. Its ranks train the same model with each
+method in turn, for ``--steps`` timed steps of ``--batch-size`` sequences in all (split over the
+ranks as the method splits them; a one-process method runs on rank 0 while rank 1 waits), and
+report for each method:
 
 - samples per second (the global batch over the median step time of the slowest rank);
 - each rank's training state (weights, gradients, AdamW's two moments) measured from what the
   rank holds, beside the prediction of lesson 05's rule (16 bytes per parameter the rank
   keeps), and on GPUs the peak memory torch's allocator reports;
+- the step's peak: the most bytes the tensors one step creates hold at once (activations,
+  gathered parameters, buffers; ``harness.memory.AllocationPeak``), on every device;
 - the payload bytes of the collectives and point-to-point sends one rank starts per step,
   counted as torch dispatches them, beside the prediction of lessons 03, 05, 06 and 07;
 - the exposed communication: the step time minus the same rank's step in a world whose
@@ -43,11 +47,18 @@ import torch.nn.functional as F  # noqa: E402
 from gpt import GPT, GPTConfig, GPTStage  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-METHODS = {"one process": 1, "ddp": 2, "fsdp": 2, "tp": 2, "pp": 2, "dataparallel": 1}
+from harness.memory import AllocationPeak  # noqa: E402
+
+# Each trains the running example on 2 ranks, or on one process (1). The levers of lessons 05 and
+# 07 are rows of their own: FSDP2 with every block checkpointed or never resharded after the
+# forward, and the pipeline with interleaved 1F1B (2 chunks per rank) or zero bubble.
+METHODS = {"one process": 1, "ddp": 2, "fsdp": 2, "fsdp+ac": 2, "fsdp no reshard": 2, "tp": 2,
+           "pp": 2, "pp interleaved": 2, "pp zero bubble": 2, "dataparallel": 1}
+CHUNKS = {"pp": 1, "pp interleaved": 2, "pp zero bubble": 1}  # pipeline stages per rank
 COLUMNS = ("method", "ranks", "device", "samples_per_s", "step_ms", "compute_ms",
-           "exposed_comm_ms", "state_bytes", "predicted_state_bytes", "peak_bytes",
-           "comm_bytes", "predicted_comm_bytes")
-MICRO_BATCHES = 4  # the pipeline's, at least its 2 stages (1F1B)
+           "exposed_comm_ms", "state_bytes", "predicted_state_bytes", "step_peak_bytes",
+           "peak_bytes", "comm_bytes", "predicted_comm_bytes")
+MICRO_BATCHES = 4  # the pipelines', a multiple of their 2 ranks (interleaved 1F1B's rounds)
 
 
 # The ops that move data, by the start of their names in c10d (allreduce_, _allgather_base_,
@@ -118,12 +129,19 @@ def build(method: str, config: GPTConfig, device: torch.device, batch_size: int,
     # contiguous: torch 2.11's pipelining refuses an input whose strides differ from its example's
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     activation = batch_size * config.block_size * config.n_embd * 4  # (B, T, C) fp32
-    if method in ("ddp", "fsdp"):  # each rank its share of the batch
+    if method == "ddp" or method.startswith("fsdp"):  # each rank its share of the batch
         share = batch_size // world
         inputs, targets = (t[rank * share:(rank + 1) * share] for t in (inputs, targets))
+    # Lesson 03: DDP all-reduces every gradient. Lesson 05: FSDP2 all-gathers the parameters for
+    # the forward, again for the backward unless it kept them, and reduce-scatters the
+    # gradients. Lesson 06: 4 all-reduces of (B, T, C) per block. Lesson 07: rank 0's stage
+    # sends the batch's activations forward; with 2 chunks per rank its second chunk also sends
+    # its input's gradient back, and its activations on: 3 times as much.
     predicted = {"one process": 0, "dataparallel": 0, "ddp": 4 * params,
-                 "fsdp": 3 * 4 * params, "tp": 4 * config.n_layer * activation,
-                 "pp": activation}[method]
+                 "fsdp": 3 * 4 * params, "fsdp+ac": 3 * 4 * params,
+                 "fsdp no reshard": 2 * 4 * params, "tp": 4 * config.n_layer * activation,
+                 "pp": activation, "pp interleaved": 3 * activation,
+                 "pp zero bubble": activation}[method]
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -132,11 +150,18 @@ def build(method: str, config: GPTConfig, device: torch.device, batch_size: int,
             model.register_comm_hook(None, no_communication)
     elif method == "dataparallel":
         model = torch.nn.DataParallel(model, device_ids=[0, 1])
-    elif method == "fsdp":
+    elif method.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
 
+        if method == "fsdp+ac":  # lesson 05: each block keeps only its input for the backward
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            for index, block in enumerate(model.blocks):
+                model.blocks[index] = checkpoint_wrapper(block)
         for block in model.blocks:
-            fully_shard(block)
+            fully_shard(block, reshard_after_forward=method != "fsdp no reshard")
         fully_shard(model)
     elif method == "tp":
         from torch.distributed.device_mesh import init_device_mesh
@@ -157,41 +182,8 @@ def build(method: str, config: GPTConfig, device: torch.device, batch_size: int,
                 "mlp.down_proj": RowwiseParallel()}
         for block in model.blocks:
             parallelize_module(block, mesh, plan)
-    if method == "pp":
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        per = config.n_layer // world
-        first, last = rank == 0, rank == world - 1
-        stage = GPTStage(model, rank * per, (rank + 1) * per)
-        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
-        if fake:  # the stage's own work, micro-batch by micro-batch, with nothing to wait for
-            pieces = list(zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES),
-                              strict=True))
-            shape = (batch_size // MICRO_BATCHES, config.block_size, config.n_embd)
-
-            def step() -> None:
-                for x, y in pieces:
-                    x = x if first else torch.randn(shape, device=device, requires_grad=True)
-                    out = stage(x)
-                    if last:
-                        (F.cross_entropy(out.mT, y) / MICRO_BATCHES).backward()
-                    else:
-                        out.backward(torch.ones_like(out))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=False)
-
-            return step, stage, optimizer, predicted
-        schedule = Schedule1F1B(PipelineStage(stage, rank, world, device), MICRO_BATCHES,
-                                loss_fn=lambda logits, y: F.cross_entropy(logits.mT, y))
-
-        def step() -> None:
-            stage_inputs = (inputs,) if first else ()  # the first stage takes the batch
-            stage_targets = {"target": targets} if last else {}  # the last one, its targets
-            schedule.step(*stage_inputs, **stage_targets)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-
-        return step, stage, optimizer, predicted
+    if method in CHUNKS:
+        return pipeline(method, model, inputs, targets, device, predicted, fake)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -200,6 +192,61 @@ def build(method: str, config: GPTConfig, device: torch.device, batch_size: int,
         optimizer.zero_grad(set_to_none=False)
 
     return step, model, optimizer, predicted
+
+
+def pipeline(method: str, model: GPT, inputs: torch.Tensor, targets: torch.Tensor,
+             device: torch.device, predicted: int, fake: bool):
+    """``build`` for the pipelines of lesson 07: rank r's chunk c is stage c * W + r of
+    W * chunks, each an equal run of blocks (stage 0 with the embeddings, the last with the
+    head)."""
+    from torch.distributed import pipelining
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    count = world * CHUNKS[method]
+    per = len(model.blocks) // count
+    indices = [c * world + rank for c in range(CHUNKS[method])]
+    chunks = torch.nn.ModuleList(GPTStage(model, k * per, (k + 1) * per) for k in indices)
+    optimizer = torch.optim.AdamW(chunks.parameters(), lr=1e-3)
+    last = count - 1
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.mT, y)
+
+    if fake:  # each chunk's own work, micro-batch by micro-batch, with nothing to wait for
+        pieces = list(zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES),
+                          strict=True))
+        shape = (len(inputs) // MICRO_BATCHES, inputs.shape[1], model.config.n_embd)
+
+        def step() -> None:
+            for x, y in pieces:
+                for k, chunk in zip(indices, chunks, strict=True):
+                    given = x if k == 0 else torch.randn(shape, device=device, requires_grad=True)
+                    out = chunk(given)
+                    if k == last:
+                        (loss_fn(out, y) / MICRO_BATCHES).backward()
+                    else:
+                        out.backward(torch.ones_like(out))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        return step, chunks, optimizer, predicted
+    stages = [pipelining.PipelineStage(chunk, k, count, device)
+              for k, chunk in zip(indices, chunks, strict=True)]
+    if method == "pp":
+        schedule = pipelining.Schedule1F1B(stages[0], MICRO_BATCHES, loss_fn=loss_fn)
+    else:
+        cls = {"pp interleaved": pipelining.ScheduleInterleaved1F1B,
+               "pp zero bubble": pipelining.ScheduleInterleavedZeroBubble}[method]
+        schedule = cls(stages, MICRO_BATCHES, loss_fn=loss_fn)
+
+    def step() -> None:
+        stage_inputs = (inputs,) if 0 in indices else ()  # the first stage takes the batch
+        stage_targets = {"target": targets} if last in indices else {}  # the last, the targets
+        schedule.step(*stage_inputs, **stage_targets)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    return step, chunks, optimizer, predicted
 
 
 def timed_steps(step, steps: int, device: torch.device) -> float:
@@ -254,14 +301,14 @@ def worker(args) -> None:
         step, module, optimizer, predicted_comm = build(method, config, device, args.batch_size)
         seconds = timed_steps(step, args.steps, device)
         seconds = seconds if alone else slowest(seconds, device)
-        with CommBytes() as counter:
+        with AllocationPeak() as peak, CommBytes() as counter:
             step()
         own_params = sum(local(p).numel() for p in module.parameters())
         rows[method] = {
             "method": method, "rank": rank, "ranks": 1 if alone else world, "device": str(device),
             "samples_per_s": args.batch_size / seconds, "step_ms": seconds * 1e3,
             "state_bytes": state_bytes(module, optimizer),
-            "predicted_state_bytes": 16 * own_params,
+            "predicted_state_bytes": 16 * own_params, "step_peak_bytes": peak.bytes,
             "peak_bytes": torch.cuda.max_memory_allocated(device) if use_cuda else None,
             "comm_bytes": counter.bytes, "predicted_comm_bytes": predicted_comm}
         del step, module, optimizer
@@ -324,10 +371,13 @@ def plot_methods(rows: list[dict], path: Path, title: str) -> None:
     width = 0.4
     xs = range(len(names))
     axes[2].bar([x - width / 2 for x in xs], [r["state_bytes"] / 2**20 for r in firsts], width,
-                label="measured")
+                label="state, measured")
+    axes[2].bar([x - width / 2 for x in xs], [r["step_peak_bytes"] / 2**20 for r in firsts],
+                width, bottom=[r["state_bytes"] / 2**20 for r in firsts],
+                label="a step's peak above it")
     axes[2].bar([x + width / 2 for x in xs], [r["predicted_state_bytes"] / 2**20 for r in firsts],
-                width, label="16 B / parameter")
-    axes[2].set(ylabel="MiB on rank 0", title="training state per rank")
+                width, label="state, 16 B / parameter")
+    axes[2].set(ylabel="MiB on rank 0", title="memory per rank")
     axes[2].set_xticks(list(xs), names)
     axes[2].legend(fontsize=10)
     axes[3].bar([x - width / 2 for x in xs], [r["comm_bytes"] / 2**20 for r in firsts], width,
@@ -338,7 +388,9 @@ def plot_methods(rows: list[dict], path: Path, title: str) -> None:
     axes[3].set_xticks(list(xs), names)
     axes[3].legend(fontsize=10)
     for axis in axes:
-        axis.tick_params(axis="x", labelrotation=20, labelsize=10)
+        axis.tick_params(axis="x", labelrotation=35, labelsize=9)
+        for label in axis.get_xticklabels():
+            label.set_horizontalalignment("right")
     figure.suptitle(title, fontsize=11)
     figure.tight_layout()
     figure.savefig(path, format="svg", metadata={"Date": None})
@@ -373,10 +425,11 @@ def main(argv=None) -> int:
     wanted = list(METHODS) if args.methods == "all" else [m.strip() for m in
                                                            args.methods.split(",")]
     unknown = [m for m in wanted if m not in METHODS]
-    if unknown or args.batch_size % (2 * MICRO_BATCHES) or args.blocks % 2:
+    stages = max([2 * CHUNKS.get(m, 1) for m in wanted if m not in unknown], default=2)
+    if unknown or args.batch_size % (2 * MICRO_BATCHES) or args.blocks % stages:
         print(f"error: methods must be among {', '.join(METHODS)} (got {unknown}); "
-              f"--batch-size must divide by {2 * MICRO_BATCHES} and --blocks by 2",
-              file=sys.stderr)
+              f"--batch-size must divide by {2 * MICRO_BATCHES} and --blocks by {stages} "
+              f"(the pipelines' stages on 2 ranks)", file=sys.stderr)
         return 2
     if "dataparallel" in wanted and gpus < 2:
         wanted.remove("dataparallel")
@@ -398,15 +451,17 @@ def main(argv=None) -> int:
         rows = json.loads(out.read_text())
     print(f"torch {torch.__version__}; {args.width} wide, {args.blocks} blocks, context "
           f"{args.context}, global batch {args.batch_size}; rank 0 of each method")
-    print(f"{'method':>12} {'ranks':>5} {'samples/s':>10} {'step':>8} {'compute':>8} "
-          f"{'exposed':>8} {'state MiB':>10} {'predicted':>10} {'comm MiB':>9} {'predicted':>10}")
+    print(f"{'method':>15} {'ranks':>5} {'samples/s':>9} {'step':>8} {'compute':>8} "
+          f"{'exposed':>8} {'state MiB':>9} {'predicted':>9} {'step peak':>9} {'comm MiB':>8} "
+          f"{'predicted':>9}")
     for r in rows:
         if r["rank"] == 0:
-            print(f"{r['method']:>12} {r['ranks']:>5} {r['samples_per_s']:>10.1f} "
+            print(f"{r['method']:>15} {r['ranks']:>5} {r['samples_per_s']:>9.1f} "
                   f"{r['step_ms']:>6.1f}ms {r['compute_ms']:>6.1f}ms "
-                  f"{r['exposed_comm_ms']:>6.1f}ms {r['state_bytes'] / 2**20:>10.2f} "
-                  f"{r['predicted_state_bytes'] / 2**20:>10.2f} {r['comm_bytes'] / 2**20:>9.2f} "
-                  f"{r['predicted_comm_bytes'] / 2**20:>10.2f}")
+                  f"{r['exposed_comm_ms']:>6.1f}ms {r['state_bytes'] / 2**20:>9.2f} "
+                  f"{r['predicted_state_bytes'] / 2**20:>9.2f} "
+                  f"{r['step_peak_bytes'] / 2**20:>9.2f} {r['comm_bytes'] / 2**20:>8.2f} "
+                  f"{r['predicted_comm_bytes'] / 2**20:>9.2f}")
     if args.csv:
         with args.csv.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, ("rank", *COLUMNS))

@@ -166,14 +166,18 @@ def test_methods_side_by_side_ran_every_method_and_measured_what_they_send_and_k
         columns = next(csv.reader(handle))
     assert columns == ["rank", "method", "ranks", "device", "samples_per_s", "step_ms",
                        "compute_ms", "exposed_comm_ms", "state_bytes", "predicted_state_bytes",
-                       "peak_bytes", "comm_bytes", "predicted_comm_bytes"], columns
-    expected = {"one process", "ddp", "fsdp", "tp", "pp"} | (
+                       "step_peak_bytes", "peak_bytes", "comm_bytes",
+                       "predicted_comm_bytes"], columns
+    expected = {"one process", "ddp", "fsdp", "fsdp+ac", "fsdp no reshard", "tp", "pp",
+                "pp interleaved", "pp zero bubble"} | (
         {"dataparallel"} if torch.cuda.device_count() >= 2 else set())
     first = {row["method"]: row for row in rows if row["rank"] == 0}
+    second = {row["method"]: row for row in rows if row["rank"] == 1}
     assert set(first) == expected, sorted(first)
     for row in rows:
         for key in ("samples_per_s", "step_ms", "compute_ms", "exposed_comm_ms", "state_bytes",
-                    "predicted_state_bytes", "comm_bytes", "predicted_comm_bytes"):
+                    "predicted_state_bytes", "step_peak_bytes", "comm_bytes",
+                    "predicted_comm_bytes"):
             assert row[key] is not None and row[key] >= 0, (row["method"], key, row)
     # The payload each method moves per step, from the lessons' formulas, worked out here.
     config = GPTConfig(vocab_size=65, block_size=TINY["context"], n_layer=TINY["blocks"],
@@ -185,11 +189,35 @@ def test_methods_side_by_side_ran_every_method_and_measured_what_they_send_and_k
     assert first["tp"]["comm_bytes"] == 4 * TINY["blocks"] * activation, (
         "tensor parallel: 2 all-reduces of (B, T, C) per block forward, 2 backward")
     assert first["pp"]["comm_bytes"] == activation, "pipeline: stage 0 sends the activations"
+    assert first["pp zero bubble"]["comm_bytes"] == activation, (
+        "zero bubble: the same messages as 1F1B, in another order")
+    for rank in (first, second):  # either rank's 2 chunks: 2 sends forward, 1 back, or 1 and 2
+        assert rank["pp interleaved"]["comm_bytes"] == 3 * activation, (
+            "interleaved 1F1B on 2 ranks x 2 chunks: each rank sends 3 batches' activations "
+            "or their gradients")
+    for method in ("ddp", "tp", "pp", "pp interleaved", "pp zero bubble"):
+        assert first[method]["predicted_comm_bytes"] == first[method]["comm_bytes"], (
+            f"compare_methods.py's own prediction for {method} is not what it sent")
     assert 2 * 4 * params <= first["fsdp"]["comm_bytes"] <= 3 * 4 * params, (
         "FSDP: an all-gather forward, one backward (not the root's), a reduce-scatter")
+    assert first["fsdp+ac"]["comm_bytes"] == first["fsdp"]["comm_bytes"], (
+        "a checkpointed block recomputes its forward inside the backward's all-gather")
+    assert first["fsdp no reshard"]["comm_bytes"] == pytest.approx(2 * 4 * params, rel=0.02), (
+        "FSDP without resharding after the forward: one all-gather, one reduce-scatter")
     for row in rows:  # 16 bytes per parameter a rank keeps (lesson 05), within FSDP's padding
         assert row["state_bytes"] == pytest.approx(row["predicted_state_bytes"], rel=0.02), row
     assert first["fsdp"]["state_bytes"] < first["ddp"]["state_bytes"] * 0.6
+    # What a step holds above the state: checkpointing lowers it; interleaving raises rank 0's,
+    # zero bubble leaves rank 0's as 1F1B's (its first stage holds p micro-batches either way)
+    # and raises the last stage's. (Not resharding raises FSDP's too, by less than FSDP's own
+    # peak moves between runs at this size: when a gathered block is freed depends on when its
+    # collective completes.)
+    peak = {method: (first[method]["step_peak_bytes"], second.get(method, {}).get(
+        "step_peak_bytes")) for method in first}
+    assert peak["fsdp+ac"][0] < peak["fsdp"][0], peak
+    assert peak["pp interleaved"][0] > peak["pp"][0], peak
+    assert peak["pp zero bubble"][0] == pytest.approx(peak["pp"][0], rel=0.05), peak
+    assert peak["pp zero bubble"][1] > peak["pp"][1], peak
 
 
 def test_compare_methods_refuses_to_run_under_torchrun(outside_launcher, monkeypatch, capsys):
@@ -197,6 +225,16 @@ def test_compare_methods_refuses_to_run_under_torchrun(outside_launcher, monkeyp
     monkeypatch.setenv("RANK", "0")
     assert script.main([]) == 2
     assert "plain python" in capsys.readouterr().err
+
+
+def test_compare_methods_refuses_blocks_its_pipelines_cannot_split(outside_launcher, capsys):
+    """Interleaved 1F1B on 2 ranks needs 4 stages; the other pipelines 2: checked before any
+    process starts, with the number to use."""
+    script = load_lesson_module(LESSON, "compare_methods")
+    assert script.main(["--blocks", "6"]) == 2
+    assert "--blocks by 4" in capsys.readouterr().err
+    assert script.main(["--blocks", "3", "--methods", "ddp,pp"]) == 2
+    assert "--blocks by 2" in capsys.readouterr().err
 
 
 def test_scaling_refuses_anything_but_two_ranks(outside_launcher, capsys):

@@ -138,9 +138,10 @@ class AllocationPeak(TorchDispatchMode):
             model = build()
         peak.bytes        # the high-water mark; peak.live_bytes(): what is still alive
 
-    It sees every operator torch dispatches (a DTensor's by its local tensor), and a storage
-    counts, at its size then, from the first operator that returns a tensor on it until the
-    last tensor on it is gone, which it asks after every operator. So it errs high, never low:
+    It sees every operator torch dispatches (a tensor subclass's, such as a DTensor, by the
+    tensors inside it), and a storage counts, at its size then, from the first operator that
+    returns a tensor on it until the last tensor on it is gone, which it asks after every
+    operator. So it errs high, never low:
     a storage from before that an operator returns (a view, an in-place result) counts too,
     and one resized in place counts at both sizes. Not seen: temporaries an operator makes and
     frees inside itself (a DTensor's redistribution)."""
@@ -159,17 +160,29 @@ class AllocationPeak(TorchDispatchMode):
 
         out = func(*args, **(kwargs or {}))
         self.live_bytes()  # forget the freed first: a new storage may reuse an old address
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's own piece
-                if local.device.type == "meta":
-                    continue
-                try:
-                    storage = local.untyped_storage()
-                except (RuntimeError, NotImplementedError):  # a subclass without storage
-                    continue
+        for tensor in _plain(tree_leaves(out)):
+            if tensor.device.type == "meta":
+                continue
+            try:
+                storage = tensor.untyped_storage()
                 key = (storage.data_ptr(), storage.nbytes())
-                if key[1] and key not in self._live:
-                    self._live[key] = StorageWeakRef(storage)
+            except (RuntimeError, NotImplementedError):  # a subclass without storage
+                continue
+            if key[1] and key not in self._live:
+                self._live[key] = StorageWeakRef(storage)
         self.bytes = max(self.bytes, sum(nbytes for _, nbytes in self._live))
         return out
+
+
+def _plain(leaves):
+    """The tensors with storage behind ``leaves``: a wrapper subclass (a DTensor, the
+    functional collectives' AsyncCollectiveTensor) holds no storage of its own but the tensors
+    its ``__tensor_flatten__`` names."""
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if type(leaf) is not torch.Tensor and hasattr(leaf, "__tensor_flatten__"):
+            names, _ = leaf.__tensor_flatten__()
+            yield from _plain(getattr(leaf, name) for name in names)
+        else:
+            yield leaf
