@@ -535,8 +535,9 @@ def test_allocation_peak_is_the_most_bytes_alive_at_once():
 def test_allocation_peak_counts_the_tensors_inside_a_wrapper_subclass():
     """A wrapper subclass (here torch's test TwoTensor; a DTensor, the functional collectives'
     AsyncCollectiveTensor) has no storage of its own: the tensors it flattens to count."""
-    from harness.memory import AllocationPeak
     from torch.testing._internal.two_tensor import TwoTensor
+
+    from harness.memory import AllocationPeak
 
     pair = TwoTensor(torch.ones(100), torch.ones(100))
     with AllocationPeak() as peak:

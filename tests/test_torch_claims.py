@@ -204,6 +204,37 @@ def test_fully_shard_leaves_resharding_to_fsdp_and_mixed_precision_off_by_defaul
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (None, None, None)
 
 
+def fully_shard_offloaded(ctx, pin_memory: bool) -> str:
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    layer = nn.Linear(4, 4)
+    try:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+    except RuntimeError:
+        return "fails"
+    layer(torch.ones(2, 4)).sum().backward()
+    return layer.weight.grad.to_local().device.type
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the claim is about a machine without a GPU")
+def test_cpu_offload_pins_by_default_which_needs_a_gpu():
+    """05 README, CPU offload: the shards are "pinned by default (`pin_memory=True`)"; torch's
+    own description: parameters copied host-to-device before the all-gather, gradients
+    device-to-host in backward, the optimizer step on the CPU; "without [a GPU],
+    `CPUOffloadPolicy()` fails inside `fully_shard`, and `CPUOffloadPolicy(pin_memory=False)`
+    runs"."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    assert CPUOffloadPolicy().pin_memory is True
+    described = " ".join(CPUOffloadPolicy.__doc__.split())
+    for words in ("Sharded parameters are copied host-to-device before all-gather",
+                  "Sharded gradients are copied device-to-host in backward",
+                  "the optimizer step runs on CPU with CPU optimizer states"):
+        assert words in described, words
+    results = [run_on_ranks(fully_shard_offloaded, pin, world_size=2) for pin in (True, False)]
+    assert results == [["fails", "fails"], ["cpu", "cpu"]], results
+
+
 def fully_shard_an_embedding_of_61_rows(ctx) -> tuple:
     from torch.distributed.fsdp import fully_shard
 

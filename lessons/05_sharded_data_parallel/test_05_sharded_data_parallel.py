@@ -18,6 +18,8 @@ The test model and what the files share are in common.py, the fixtures in confte
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 
 import pytest
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from gpt import GPT, SIZES, CharDataset, GPTConfig, parameter_digest
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close
@@ -259,6 +262,102 @@ def test_fully_shard_cuts_dim_0_and_keeps_fp32_shards_under_a_bf16_policy(group)
                 f"rank {rank}: the all-gathers moved {result['gathered']}, not bf16")
             assert result["reduced"] == {torch.float32}, (
                 f"rank {rank}: the reduce-scatters moved {result['reduced']}, not fp32")
+
+
+class DeviceCopies(TorchDispatchMode):
+    """The bytes copied between the CPU and a GPU, as torch dispatches the copies (``.to``,
+    ``.cpu()`` and ``copy_`` across devices): ``to_gpu`` and ``to_cpu``."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_gpu = self.to_cpu = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        aten = torch.ops.aten
+        if func in (aten._to_copy.default, aten.copy_.default):
+            source, target = (args[1], args[0]) if func is aten.copy_.default else (args[0], out)
+            if source.device.type != target.device.type:
+                nbytes = source.numel() * source.element_size()
+                if target.device.type == "cpu":
+                    self.to_cpu += nbytes
+                else:
+                    self.to_gpu += nbytes
+        return out
+
+
+def offloaded_steps(ctx, offload: bool) -> dict:
+    """FSDP2 with or without CPUOffloadPolicy (pinned where there is a GPU, which pinning
+    needs): where the shards, their gradients and AdamW's state live after a step, the bytes the
+    second step copies each way, and the parameters after STEPS steps."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    cuda = ctx.device.type == "cuda"
+    policy = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
+    batches = [my_share(ctx, step) for step in range(STEPS)]
+    if cuda:
+        gc.collect()  # what earlier checks left in reference cycles on this pooled rank
+        torch.cuda.synchronize(ctx.device)
+        before = torch.cuda.memory_allocated(ctx.device)
+    model = make_gpt() if offload else make_gpt().to(ctx.device)  # offloaded: built on the CPU
+    for block in model.blocks:
+        fully_shard(block, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    copies = DeviceCopies()
+    for step, (inputs, targets) in enumerate(batches):
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        with copies if step == 1 else contextlib.nullcontext():
+            model(inputs, targets)[1].backward()
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    local = [p.to_local() for p in model.parameters()]
+    state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    return {"params": {t.device.type for t in local},
+            "pinned": all(t.is_pinned() for t in local) if cuda else None,
+            "grads": {p.grad.to_local().device.type for p in model.parameters()},
+            "state": {t.device.type for t in state},
+            "to_gpu": copies.to_gpu, "to_cpu": copies.to_cpu,
+            "on_gpu": torch.cuda.memory_allocated(ctx.device) - before if cuda else None,
+            "shards": {name: p.to_local().detach().cpu()
+                       for name, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("group", [case for case in FSDP_GROUPS
+                                   if case.id in ("gloo-cpu-2", "nccl-cuda-1")])
+def test_cpu_offload_keeps_the_state_on_the_cpu_and_trains_what_fsdp_trains(group):
+    """The text, CPU offload: with CPUOffloadPolicy the shards, their gradients and AdamW's
+    state are CPU tensors (pinned), the steps are FSDP2's without it, and on a GPU a step
+    copies each parameter's shard in before its all-gathers (the root once, each block for its
+    forward and again for its backward) and each gradient's shard out, and leaves no parameter
+    on the GPU."""
+    world, backend, device = group
+    plain = run_on_ranks(offloaded_steps, False, world_size=world, backend=backend,
+                         device=device)
+    offloaded = run_on_ranks(offloaded_steps, True, world_size=world, backend=backend,
+                             device=device)
+    model = make_gpt()
+    psi, blocks = num_params(model), num_params(model.blocks)
+    for rank, (got, want) in enumerate(zip(offloaded, plain, strict=True)):
+        assert_parameters_close(got["shards"], want["shards"],
+                                f"rank {rank}: FSDP2 with CPUOffloadPolicy against without")
+        for what in ("params", "grads", "state"):
+            assert got[what] == {"cpu"}, (
+                f"rank {rank}: with CPUOffloadPolicy the {what} are on {got[what]}, not the CPU")
+        if device == "cuda":
+            assert got["pinned"], f"rank {rank}: the CPU shards are not in pinned memory"
+            assert want["params"] == {"cuda"} and want["to_gpu"] == want["to_cpu"] == 0, want
+            assert got["to_gpu"] == 4 * (psi + blocks) // world, (
+                f"rank {rank}: a step copied {got['to_gpu']} bytes to the GPU; expected every "
+                f"shard once for the forward and the blocks' again for the backward: "
+                f"{4 * (psi + blocks) // world}")
+            assert got["to_cpu"] == 4 * psi // world, (
+                f"rank {rank}: a step copied {got['to_cpu']} bytes to the CPU, not the "
+                f"gradients' shards ({4 * psi // world})")
+            assert got["on_gpu"] < 4 * psi // world, (
+                f"rank {rank}: {got['on_gpu']} bytes stay on the GPU after a step, as much as "
+                f"the rank's shards of the parameters ({4 * psi // world})")
 
 
 def shard_the_root_first(ctx):
