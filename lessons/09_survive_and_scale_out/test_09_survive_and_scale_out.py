@@ -327,6 +327,7 @@ def test_the_newest_k_checkpoints_are_kept_and_a_save_holds_the_step_it_was_aske
             f"that did not copy the state before training went on?)")
 
 
+@pytest.mark.slow  # two torchrun agents
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_an_elastic_job_that_loses_a_node_goes_on_as_a_smaller_job_from_its_checkpoint(
         launches):

@@ -170,6 +170,7 @@ def test_expert_parallel_is_the_layer_in_one_process(group_case, k, capacity_fac
                                      ("all_to_all", received * row)], found["backward"]
 
 
+@pytest.mark.slow  # a torchrun launch
 def test_script_matches_one_process(script_run):
     run = script_run.result()
     print(run.output)

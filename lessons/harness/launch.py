@@ -334,8 +334,14 @@ def start_first(fixture: str, conftest: str):
 
     @pytest.fixture(scope="session", autouse=True, name=f"start_{fixture}_first")
     def start(request):
-        if any(fixture in item.fixturenames and folder in Path(item.path).resolve().parents
-               for item in request.session.items):
+        users = [item for item in request.session.items
+                 if fixture in item.fixturenames and folder in Path(item.path).resolve().parents]
+        # `pytest -m "not slow"` promises no launches: a test that waits on them is slow.
+        unmarked = [item.nodeid for item in users if item.get_closest_marker("slow") is None]
+        if unmarked:
+            raise pytest.UsageError(f"{', '.join(unmarked)} uses {fixture!r}, which launches "
+                                    f"scripts: mark it @pytest.mark.slow")
+        if users:
             request.getfixturevalue(fixture)
 
     return start
