@@ -532,6 +532,28 @@ def test_allocation_peak_is_the_most_bytes_alive_at_once():
     assert both.bytes == 6000 and len(together) == 2, both.bytes
 
 
+def test_allocation_peak_counts_a_storage_at_its_size_now_and_leaves_out_what_it_ignores():
+    """FSDP frees a gathered parameter by resizing its storage to nothing and gathers it again
+    into the same storage: counted at its size at each moment, never twice. An in-place
+    operator returns a storage from before: counted, unless ``ignore`` names it."""
+    from harness.memory import AllocationPeak
+
+    kept = torch.zeros(250)  # 1 kB that exists before and stays
+    with AllocationPeak() as peak:
+        gathered = torch.ones(1000)  # 4 kB
+        gathered.untyped_storage().resize_(0)
+        other = torch.ones(750)  # 3 kB: the peak is still the 4 kB before it
+        gathered.untyped_storage().resize_(4000)
+        again = gathered.add_(1)  # the same storage, grown back: 4 + 3 kB, not 4 + 4 + 3
+    assert peak.bytes == 7000 and again is gathered and len(other) == 750, peak.bytes
+    with AllocationPeak() as counted:
+        kept.add_(1)
+    with AllocationPeak(ignore=[kept]) as ignored:
+        kept.add_(1)
+        torch.ones(10)
+    assert (counted.bytes, ignored.bytes) == (1000, 40), (counted.bytes, ignored.bytes)
+
+
 def test_allocation_peak_counts_the_tensors_inside_a_wrapper_subclass():
     """A wrapper subclass (here torch's test TwoTensor; a DTensor, the functional collectives'
     AsyncCollectiveTensor) has no storage of its own: the tensors it flattens to count."""

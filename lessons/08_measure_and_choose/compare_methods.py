@@ -301,7 +301,10 @@ def worker(args) -> None:
         step, module, optimizer, predicted_comm = build(method, config, device, args.batch_size)
         seconds = timed_steps(step, args.steps, device)
         seconds = seconds if alone else slowest(seconds, device)
-        with AllocationPeak() as peak, CommBytes() as counter:
+        kept = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None),
+                *(v for s in optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor))]
+        with AllocationPeak(ignore=kept) as peak, CommBytes() as counter:  # beyond the state
             step()
         own_params = sum(local(p).numel() for p in module.parameters())
         rows[method] = {

@@ -207,16 +207,17 @@ def test_methods_side_by_side_ran_every_method_and_measured_what_they_send_and_k
     for row in rows:  # 16 bytes per parameter a rank keeps (lesson 05), within FSDP's padding
         assert row["state_bytes"] == pytest.approx(row["predicted_state_bytes"], rel=0.02), row
     assert first["fsdp"]["state_bytes"] < first["ddp"]["state_bytes"] * 0.6
-    # What a step holds above the state: checkpointing lowers it; interleaving raises rank 0's,
-    # zero bubble leaves rank 0's as 1F1B's (its first stage holds p micro-batches either way)
-    # and raises the last stage's. (Not resharding raises FSDP's too, by less than FSDP's own
-    # peak moves between runs at this size: when a gathered block is freed depends on when its
-    # collective completes.)
+    # What a step holds above the state: checkpointing lowers it, keeping the gathered blocks
+    # raises it by at most their bytes; interleaving raises rank 0's, zero bubble leaves rank
+    # 0's as 1F1B's (its first stage holds p micro-batches either way) and raises the last
+    # stage's.
     peak = {method: (first[method]["step_peak_bytes"], second.get(method, {}).get(
         "step_peak_bytes")) for method in first}
     assert peak["fsdp+ac"][0] < peak["fsdp"][0], peak
+    gathered_blocks = 4 * sum(p.numel() for p in GPT(config).blocks.parameters())
+    assert 0 < peak["fsdp no reshard"][0] - peak["fsdp"][0] <= gathered_blocks, peak
     assert peak["pp interleaved"][0] > peak["pp"][0], peak
-    assert peak["pp zero bubble"][0] == pytest.approx(peak["pp"][0], rel=0.05), peak
+    assert peak["pp zero bubble"][0] == pytest.approx(peak["pp"][0], rel=0.03), peak
     assert peak["pp zero bubble"][1] > peak["pp"][1], peak
 
 

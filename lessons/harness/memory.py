@@ -138,22 +138,35 @@ class AllocationPeak(TorchDispatchMode):
             model = build()
         peak.bytes        # the high-water mark; peak.live_bytes(): what is still alive
 
-    It sees every operator torch dispatches (a tensor subclass's, such as a DTensor, by the
-    tensors inside it), and a storage counts, at its size then, from the first operator that
-    returns a tensor on it until the last tensor on it is gone, which it asks after every
-    operator. So it errs high, never low:
-    a storage from before that an operator returns (a view, an in-place result) counts too,
-    and one resized in place counts at both sizes. Not seen: temporaries an operator makes and
-    frees inside itself (a DTensor's redistribution)."""
+        with AllocationPeak(ignore=[*model.parameters(), *grads, *state]) as peak:
+            step()        # peak.bytes: what the step needs beyond what it keeps
 
-    def __init__(self):
+    It sees every operator torch dispatches (a tensor subclass's, such as a DTensor, by the
+    tensors inside it). A storage counts from the first operator that returns a tensor on it
+    until the last tensor on it is gone, at its size at the time, both asked after every
+    operator: a storage resized to nothing (how FSDP frees a gathered parameter) counts nothing
+    until it grows again. A storage from before that an operator returns (a view, an in-place
+    result) counts too, unless it is one of ``ignore``'s tensors': so pass what existed before
+    and stays. Not seen: temporaries an operator makes and frees inside itself (a DTensor's
+    redistribution)."""
+
+    def __init__(self, ignore=()):
         super().__init__()
         self.bytes = 0
-        self._live: dict[tuple[int, int], object] = {}  # (address, bytes) -> a weak reference
+        # StorageImpl address -> (a weak reference, its bytes when seen): an address is stable
+        # while the storage lives, however it is resized.
+        self._live: dict[int, tuple[object, int]] = {}
+        # Held, so that no new storage can take their addresses while this is open.
+        self._ignored = {}
+        for tensor in _plain(tree_leaves(list(ignore))):
+            storage = _storage(tensor)
+            if storage is not None:
+                self._ignored[storage._cdata] = storage
 
     def live_bytes(self) -> int:
-        self._live = {key: ref for key, ref in self._live.items() if not ref.expired()}
-        return sum(nbytes for _, nbytes in self._live)
+        self._live = {key: (ref, seen) for key, (ref, seen) in self._live.items()
+                      if not ref.expired()}
+        return sum(_current_nbytes(ref, seen) for ref, seen in self._live.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -161,17 +174,34 @@ class AllocationPeak(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.live_bytes()  # forget the freed first: a new storage may reuse an old address
         for tensor in _plain(tree_leaves(out)):
-            if tensor.device.type == "meta":
-                continue
-            try:
-                storage = tensor.untyped_storage()
-                key = (storage.data_ptr(), storage.nbytes())
-            except (RuntimeError, NotImplementedError):  # a subclass without storage
-                continue
-            if key[1] and key not in self._live:
-                self._live[key] = StorageWeakRef(storage)
-        self.bytes = max(self.bytes, sum(nbytes for _, nbytes in self._live))
+            storage = _storage(tensor)
+            if (storage is not None and storage._cdata not in self._live
+                    and storage._cdata not in self._ignored):
+                self._live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self.bytes = max(self.bytes, self.live_bytes())
         return out
+
+
+def _storage(tensor: torch.Tensor):
+    """``tensor``'s untyped storage, or None: a meta tensor has no memory, and a wrapper
+    subclass without storage of its own raises."""
+    if tensor.device.type == "meta":
+        return None
+    try:
+        storage = tensor.untyped_storage()
+        storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage
+
+
+def _current_nbytes(ref, seen: int) -> int:
+    """The size now of the storage ``ref`` points to (``seen`` where torch cannot tell)."""
+    try:
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    except RuntimeError:
+        return seen
+    return 0 if storage is None else storage.nbytes()
 
 
 def _plain(leaves):
