@@ -10,7 +10,8 @@ features with DTensor (tensor parallelism, lesson 06); the same with the residua
 along the sequence (sequence parallelism, sequence_parallel.py's plan); and on its zig-zag
 share of the tokens with the ring in place of attention (context parallelism, train_cp.py's
 block). It counts what autograd keeps for the backward, each tensor once (a tensor saved twice
-is stored once), and the bytes of its parameters, and rank 0 prints both beside the formulas.
+is stored once), the keys and values among it, and the bytes of its parameters, and rank 0
+prints them beside the formulas.
 With --plot it draws the measured points and the predicted lines, on to longer sequences.
 """
 
@@ -69,6 +70,9 @@ def predicted(method: str, length: int, width: int, heads: int, world: int) -> d
                  "tensor + sequence parallel": 2 * C + (14 * C + H + 4) / W,
                  "context parallel": (17 * C + H + 4) / W}[method]
     activations = FLOAT * S * per_token + (8 * S / W if method == "context parallel" else 0)
+    # Of those, the keys and values attention keeps: every token's and every head's in one
+    # process; a W-th under tensor parallelism (its heads) and context parallelism (its tokens).
+    kv = FLOAT * 2 * S * C / (1 if method == "data parallel" else W)
     stream = FLOAT * S * C  # one sequence's residual stream, or its keys (or values)
     sent = {"data parallel": 0,  # nothing per block; the gradients' all-reduce once a step
             # 2 all-reduces each way (lesson 06), at 2 (W - 1) / W of the stream each
@@ -85,12 +89,13 @@ def predicted(method: str, length: int, width: int, heads: int, world: int) -> d
     # biases (2 C) and the norms (4 C)
     tensor = method.startswith("tensor")
     parameters = FLOAT * ((split / W + whole - split) if tensor else whole)
-    return {"activations": activations, "parameters": parameters, "sent": sent}
+    return {"activations": activations, "kv": kv, "parameters": parameters, "sent": sent}
 
 
 def measure_block(method: str, length: int, width: int, heads: int, seed: int = 0) -> dict:
     """This rank's bytes for one block's forward on one sequence of ``length`` tokens: what
-    autograd keeps for the backward (each storage once), its parameters, and what it sends in
+    autograd keeps for the backward (each storage once), of which the keys and values (the
+    outputs of k_proj and v_proj, which attention keeps), its parameters, and what it sends in
     the forward and the backward."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)  # every rank: the same block, the same sequence
@@ -107,6 +112,10 @@ def measure_block(method: str, length: int, width: int, heads: int, seed: int = 
         x = x[:, positions]
     weights = {run.local_part(p).untyped_storage().data_ptr() for p in block.parameters()}
     kept: dict[int, int] = {}
+    keys_values: set[int] = set()  # the storages of k_proj's and v_proj's outputs
+    hooks = [layer.register_forward_hook(lambda module, args, out: keys_values.add(
+        run.local_part(out).untyped_storage().data_ptr()))
+        for layer in (block.attn.k_proj, block.attn.v_proj)]
 
     def pack(tensor):  # an activation, once per storage; a weight (or a slice of one) is not
         storage = run.local_part(tensor).untyped_storage()
@@ -118,7 +127,10 @@ def measure_block(method: str, length: int, width: int, heads: int, seed: int = 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = block(x.requires_grad_(True))
         out.sum().backward()  # every rank: the ring's backward is collective
+    for hook in hooks:
+        hook.remove()
     return {"activations": sum(kept.values()),
+            "kv": sum(kept.get(pointer, 0) for pointer in keys_values),
             "parameters": sum(run.local_part(p).nbytes for p in block.parameters()),
             "sent": sent.bytes}
 
@@ -140,10 +152,16 @@ def plot(rows: list[dict], path: Path, width: int, heads: int, world: int) -> No
         drawn = axes.plot(longer, line, label=f"{method} (predicted)")[0]
         got = [(r["length"], r["activations"] / 2**20) for r in rows if r["method"] == method]
         axes.plot(*zip(*got, strict=True), "o", color=drawn.get_color())
+        if method in ("data parallel", "context parallel"):  # TP's and TP + SP's are CP's
+            kv = [predicted(method, s, width, heads, world)["kv"] / 2**20 for s in longer]
+            axes.plot(longer, kv, "--", color=drawn.get_color(),
+                      label=f"{method}: of it, keys and values")
+            got = [(r["length"], r["kv"] / 2**20) for r in rows if r["method"] == method]
+            axes.plot(*zip(*got, strict=True), "x", color=drawn.get_color())
     axes.set(xscale="log", yscale="log", xlabel="sequence length S (tokens)",
              ylabel="MiB kept for the backward, per rank",
              title=f"one block, width {width}, {heads} heads, float32, W = {world}: "
-                   "measured (dots), predicted (lines)")
+                   "measured (dots, crosses), predicted (lines)")
     axes.title.set_fontsize(9)
     axes.legend(fontsize=8)
     figure.tight_layout()
@@ -181,10 +199,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     log = run.rank_zero_log(rank)
     log(f"one block, width {args.width}, {args.heads} heads, one sequence, float32, per rank of "
-        f"{world}: kept for the backward (each tensor once), parameters, and sent in the "
-        f"forward and backward, in kB; each beside its count")
-    log(f"{'method':<27}{'S':>5}{'kept':>9}{'count':>9}{'params':>8}{'count':>7}{'sent':>8}"
-        f"{'count':>8}")
+        f"{world}: kept for the backward (each tensor once) and the keys and values among it, "
+        f"parameters, and sent in the forward and backward, in kB; each beside its count")
+    log(f"{'method':<27}{'S':>5}{'kept':>9}{'count':>9}{'of it KV':>9}{'count':>7}"
+        f"{'params':>8}{'count':>7}{'sent':>8}{'count':>8}")
     rows = []
     for length in lengths:
         for method in METHODS:
@@ -194,7 +212,7 @@ def main(argv=None) -> int:
                          "predicted": want})
             log(f"{method:<27}{length:>5}" + "".join(
                 f"{got[key] / 1e3:>{w},.1f}{want[key] / 1e3:>{w2},.1f}"
-                for key, w, w2 in (("activations", 9, 9), ("parameters", 8, 7),
+                for key, w, w2 in (("activations", 9, 9), ("kv", 9, 7), ("parameters", 8, 7),
                                    ("sent", 8, 8))))
     if rank == 0 and args.plot:
         plot(rows, args.plot, args.width, args.heads, world)

@@ -258,7 +258,8 @@ def kept_per_token(method: str, C: int, H: int, W: int) -> float:
 def test_memory_per_rank_is_what_the_text_counts(world):
     """memory_by_length.py's measurements: the bytes each rank keeps for one block's backward,
     tensor by tensor, are the README's count for every method and length (positions, int64,
-    on top for context parallelism); the parameters are whole but for tensor parallelism's
+    on top for context parallelism), the keys and values among them 2C per token in one process
+    and a W-th of it otherwise; the parameters are whole but for tensor parallelism's
     slices; the bytes sent, forward and backward, are the table's; context parallelism keeps
     least, then TP + SP, TP, and one process."""
     C, H = 16, 4
@@ -275,6 +276,8 @@ def test_memory_per_rank_is_what_the_text_counts(world):
                 printed = script.predicted(method, length, C, H, world)  # the "count" column
                 assert printed["activations"] == want, (method, length, printed, want)
                 assert found["activations"] == want, (rank, method, length, found, want)
+                kv = 4 * 2 * length * C / (1 if method == DP_ else world)  # its heads or tokens
+                assert printed["kv"] == kv and found["kv"] == kv, (rank, method, found, kv)
                 params = 4 * (sliced / world + whole - sliced if method.startswith("tensor")
                               else whole)
                 assert found["parameters"] == params, (rank, method, found, params)
