@@ -314,7 +314,7 @@ def worker(args) -> None:
             "predicted_state_bytes": 16 * own_params, "step_peak_bytes": peak.bytes,
             "peak_bytes": torch.cuda.max_memory_allocated(device) if use_cuda else None,
             "comm_bytes": counter.bytes, "predicted_comm_bytes": predicted_comm}
-        del step, module, optimizer
+        del step, module, optimizer, kept, peak  # the next method's peak starts from nothing
         gc.collect()  # DDP and FSDP hold the group through reference cycles
         if alone:
             dist.barrier()

@@ -64,6 +64,18 @@ def pytest_configure(config):
     config.pluginmanager.register(ProgressReport(), "course-progress")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """A test that waits on scripts a lesson launches must be marked slow (checked here, once
+    every lesson's conftest has said which of its fixtures launch)."""
+    from harness.launch import unmarked_launch_users
+
+    unmarked = unmarked_launch_users(items)
+    if unmarked:
+        raise pytest.UsageError(f"{', '.join(unmarked)} waits on scripts its lesson launches: "
+                                f"mark it @pytest.mark.slow")
+
+
 def pytest_report_header(config):
     graded = "solutions/ (reference answers)" if solutions_mode() else "lessons/ (your files)"
     strict = ", strict: untouched stubs fail" if strict_mode() else ""

@@ -323,6 +323,22 @@ def _show(command: list[str]) -> str:
                     for p in shown)
 
 
+# (fixture, lesson folder) of every fixture start_first starts: each launches scripts.
+LAUNCHING: dict[tuple[str, Path], None] = {}
+
+
+def _uses(item, fixture: str, folder: Path) -> bool:
+    return fixture in item.fixturenames and folder in Path(item.path).resolve().parents
+
+
+def unmarked_launch_users(items) -> list[str]:
+    """The selected tests that wait on a launching fixture (see :func:`start_first`) without
+    the ``slow`` mark: ``pytest -m "not slow"`` promises to start no script, and would."""
+    return [item.nodeid for item in items
+            if item.get_closest_marker("slow") is None
+            and any(_uses(item, fixture, folder) for fixture, folder in LAUNCHING)]
+
+
 def start_first(fixture: str, conftest: str):
     """An autouse fixture for a lesson's ``conftest.py``: when a selected test of the lesson
     uses ``fixture`` (a session-scoped fixture of that conftest that starts scripts in the
@@ -331,17 +347,11 @@ def start_first(fixture: str, conftest: str):
     lesson's other checks, in every test file of the folder. The conftest writes
     ``start_launches_first = start_first("launches", __file__)``."""
     folder = Path(conftest).resolve().parent
+    LAUNCHING[fixture, folder] = None
 
     @pytest.fixture(scope="session", autouse=True, name=f"start_{fixture}_first")
     def start(request):
-        users = [item for item in request.session.items
-                 if fixture in item.fixturenames and folder in Path(item.path).resolve().parents]
-        # `pytest -m "not slow"` promises no launches: a test that waits on them is slow.
-        unmarked = [item.nodeid for item in users if item.get_closest_marker("slow") is None]
-        if unmarked:
-            raise pytest.UsageError(f"{', '.join(unmarked)} uses {fixture!r}, which launches "
-                                    f"scripts: mark it @pytest.mark.slow")
-        if users:
+        if any(_uses(item, fixture, folder) for item in request.session.items):
             request.getfixturevalue(fixture)
 
     return start

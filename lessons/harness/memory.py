@@ -147,8 +147,10 @@ class AllocationPeak(TorchDispatchMode):
     operator: a storage resized to nothing (how FSDP frees a gathered parameter) counts nothing
     until it grows again. A storage from before that an operator returns (a view, an in-place
     result) counts too, unless it is one of ``ignore``'s tensors': so pass what existed before
-    and stays. Not seen: temporaries an operator makes and frees inside itself (a DTensor's
-    redistribution)."""
+    and stays. It can err either way: high where an older storage is returned, low for what no
+    operator returns (a temporary an operator makes and frees inside itself, such as a
+    DTensor's redistribution; a storage filled outside torch's operators) and for a storage
+    resized between two operators, which counts from the next one."""
 
     def __init__(self, ignore=()):
         super().__init__()
@@ -162,6 +164,10 @@ class AllocationPeak(TorchDispatchMode):
             storage = _storage(tensor)
             if storage is not None:
                 self._ignored[storage._cdata] = storage
+
+    def __exit__(self, *exc):
+        self._ignored = {}  # let what it held go with the code it watched
+        return super().__exit__(*exc)
 
     def live_bytes(self) -> int:
         self._live = {key: (ref, seen) for key, (ref, seen) in self._live.items()
