@@ -14,8 +14,9 @@ report for each method:
 - each rank's training state (weights, gradients, AdamW's two moments) measured from what the
   rank holds, beside the prediction of lesson 05's rule (16 bytes per parameter the rank
   keeps), and on GPUs the peak memory torch's allocator reports;
-- the step's peak: the most bytes the tensors one step creates hold at once (activations,
-  gathered parameters, buffers; ``harness.memory.AllocationPeak``), on every device;
+- the step's peak: the most bytes the tensors one step creates hold at once beyond the state
+  it keeps (activations, gathered parameters, buffers; ``harness.memory.AllocationPeak``), on
+  every device;
 - the payload bytes of the collectives and point-to-point sends one rank starts per step,
   counted as torch dispatches them, beside the prediction of lessons 03, 05, 06 and 07;
 - the exposed communication: the step time minus the same rank's step in a world whose
