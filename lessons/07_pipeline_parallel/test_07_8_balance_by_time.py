@@ -37,18 +37,17 @@ CLAUSES = {
 }
 
 
+def stage_times(seconds: list[float], counts: list[int]) -> list[float]:
+    starts = [0, *itertools.accumulate(counts)]
+    return [sum(seconds[a:b]) for a, b in itertools.pairwise(starts)]
+
+
 def every_cut(seconds: list[float], stages: int):
     """(slowest stage's time, counts) of every cut, in itertools.combinations order."""
     n = len(seconds)
     for cuts in itertools.combinations(range(1, n), stages - 1):
-        bounds = (0, *cuts, n)
-        yield (max(sum(seconds[a:b]) for a, b in itertools.pairwise(bounds)),
-               [b - a for a, b in itertools.pairwise(bounds)])
-
-
-def stage_times(seconds: list[float], counts: list[int]) -> list[float]:
-    starts = [0, *itertools.accumulate(counts)]
-    return [sum(seconds[a:b]) for a, b in itertools.pairwise(starts)]
+        counts = [b - a for a, b in itertools.pairwise((0, *cuts, n))]
+        yield max(stage_times(seconds, counts)), counts
 
 
 # Halves, so that every sum is exact and ties are real ties.

@@ -100,14 +100,20 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def state_bytes(module: torch.nn.Module, optimizer) -> int:
-    """Bytes of the distinct storages behind this rank's parameters, gradients and optimizer
-    state (a DTensor counted by its local piece)."""
+def state_tensors(module: torch.nn.Module, optimizer) -> list[torch.Tensor]:
+    """This rank's parameters, their gradients and the optimizer's state tensors (AdamW's step
+    counts among them), a DTensor by its local piece: what a rank keeps from step to step."""
     tensors = [local(p) for p in module.parameters()]
     tensors += [local(p.grad) for p in module.parameters() if p.grad is not None]
     tensors += [local(v) for s in optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+                if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def state_bytes(module: torch.nn.Module, optimizer) -> int:
+    """Bytes of the distinct storages behind :func:`state_tensors`, the step counts left out."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in state_tensors(module, optimizer) if t.dim() > 0}
     return sum(storages.values())
 
 
@@ -302,9 +308,7 @@ def worker(args) -> None:
         step, module, optimizer, predicted_comm = build(method, config, device, args.batch_size)
         seconds = timed_steps(step, args.steps, device)
         seconds = seconds if alone else slowest(seconds, device)
-        kept = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None),
-                *(v for s in optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor))]
+        kept = state_tensors(module, optimizer)
         with AllocationPeak(ignore=kept) as peak, CommBytes() as counter:  # beyond the state
             step()
         own_params = sum(local(p).numel() for p in module.parameters())
