@@ -8,6 +8,7 @@ and runs). Each task's grader is its own file, test_00_K_*.py.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 
@@ -264,6 +265,22 @@ def test_train_script_runs_and_writes_its_result():
     assert result["sample_after"] != result["sample_before"], (
         "training did not change what the model writes"
     )
+
+
+def test_a_shorter_sample_is_the_start_of_a_longer_one():
+    """Why a quick run may pass --sample-length 8 (or 0) and still be compared with a full run:
+    every character is drawn from the same generator, one draw each, in order."""
+    dataset = CharDataset(SIZES["tiny"]["block_size"])
+    model = GPT(GPTConfig.named("tiny", vocab_size=dataset.vocab_size), seed=0)
+    full = run.sample(model, dataset, "cpu", 60)
+    assert len(full) == 60, full
+    for length in (1, 8, 59):
+        assert run.sample(model, dataset, "cpu", length) == full[:length], length
+    assert run.sample(model, dataset, "cpu", 0) == ""
+    args = run.add_common_arguments(argparse.ArgumentParser()).parse_args([])
+    assert args.sample_length == 60
+    with pytest.raises(SystemExit):
+        run.add_common_arguments(argparse.ArgumentParser()).parse_args(["--sample-length", "-1"])
 
 
 @pytest.mark.slow

@@ -7,12 +7,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harness.launch import QUICK_SAMPLE
+
 LESSON = "01_data_parallel"
 
 # train.py is lesson 00's train.py plus nn.DataParallel. Both are started together, once, with
 # the same arguments, none of them the default: a script that ignored one (the seed, say) would
 # train a different model from lesson 00's.
-TRAIN_ARGS = ("--epochs", "1", "--seed", "3", "--batch-size", "32", "--train-windows", "320")
+TRAIN_ARGS = ("--epochs", "1", "--seed", "3", "--batch-size", "32", "--train-windows", "320",
+              *QUICK_SAMPLE)
 BASE_LESSON = "00_single_gpu"
 
 

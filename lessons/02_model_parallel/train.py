@@ -76,7 +76,8 @@ def train_one_epoch(model, loader, optimizer, devices, amp=None, micro_batches: 
 
 def fit(devices, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
-        compile: bool = False, micro_batches: int = 1, log=print):
+        compile: bool = False, micro_batches: int = 1,
+        sample_length: int = 60, log=print):
     """Train from scratch on ``devices``; returns (model, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     device = devices[0]  # where the batches go in
@@ -93,7 +94,7 @@ def fit(devices, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
 
     where = (f"blocks 0-{len(model.blocks) // 2 - 1}; the rest on {devices[1]}, "
              f"{micro_batches} micro-batch(es)")
-    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set, sample_length,
                               devices=list(map(str, devices)), micro_batches=micro_batches,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile)
@@ -127,7 +128,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model, result = fit(devices, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
-                        bf16=args.bf16, compile=args.compile, micro_batches=args.micro_batches)
+                        bf16=args.bf16, compile=args.compile, micro_batches=args.micro_batches,
+                        sample_length=args.sample_length)
     return run.end_run(args, result, model.state_dict())
 
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from harness.compare import assert_close, assert_parameters_close, full_fp32
 from harness.exercises import load_lesson_module
 from harness.hardware import needs_gpus
-from harness.launch import run_script, start_script
+from harness.launch import QUICK_SAMPLE, run_script, start_script
 from harness.ranks import run_on_ranks
 from lesson03.common import (
     EPOCHS,
@@ -117,7 +117,7 @@ def test_ddp_trajectory_equals_one_process_on_global_batches(group):
 
 # One epoch over the first 320 windows (of 1010): 20 steps of a global batch of 16, about 0.5 s
 # of training per run; the rest of each launch is starting processes and importing torch.
-TRAIN_ONE_EPOCH = ("--epochs", "1", "--train-windows", "320")
+TRAIN_ONE_EPOCH = ("--epochs", "1", "--train-windows", "320", *QUICK_SAMPLE)
 # Two runs that take the same steps agree to fp32 rounding, which AdamW then amplifies where a
 # gradient is rounding noise: the key projections' biases get none at all in exact arithmetic
 # (a bias added to every key shifts a query's scores equally, and softmax ignores that: they

@@ -23,12 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close, full_fp32
 from harness.exercises import load_exercise
+from harness.launch import QUICK_SAMPLE
 from harness.memory import held_bytes
 from harness.ranks import group_params
 
 LESSON = "05_sharded_data_parallel"
 SCRIPT = f"lessons/{LESSON}/train_fsdp.py"
-TRAIN_ONE_EPOCH = ("--epochs", "1", "--train-windows", "320")  # the script's checks
+TRAIN_ONE_EPOCH = ("--epochs", "1", "--train-windows", "320", *QUICK_SAMPLE)  # the script's checks
 WORLDS = (2, 3, 4)
 # gloo with CPU tensors at every size; CUDA: gloo ranks sharing cuda:0, nccl one rank per GPU.
 GROUPS = group_params(world_sizes=WORLDS, cuda_world_sizes=(2,))

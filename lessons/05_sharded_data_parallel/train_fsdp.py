@@ -59,7 +59,8 @@ def train_one_epoch(model, loader, optimizer, device, amp=None) -> float:
 
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
-        compile: bool = False, reshard_after_forward: bool = True, log=print):
+        compile: bool = False, reshard_after_forward: bool = True,
+        sample_length: int = 60, log=print):
     """Train from scratch on ``device``; returns (the whole model's state dict, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
@@ -82,7 +83,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
     where = (f"world size {dist.get_world_size()}, backend {dist.get_backend()}, global batch "
              f"{dist.get_world_size()} x {batch_size}")
-    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set, sample_length,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile,
                               reshard_after_forward=reshard_after_forward)
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
     whole, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile,
-                        reshard_after_forward=args.reshard_after_forward, log=log)
+                        reshard_after_forward=args.reshard_after_forward,
+                        sample_length=args.sample_length, log=log)
     return run.end_run(args, result, whole, rank)  # rank 0 holds the gathered whole model
 
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from harness.compare import assert_close
 from harness.exercises import load_exercise
+from harness.launch import QUICK_SAMPLE
 from harness.ranks import group_params
 
 LESSON = "06_tensor_parallel"
@@ -43,7 +44,7 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "up_proj")
 ROW = ("out_proj", "down_proj")
 
 # The script checks' run of train_tp.py (conftest.py's script_run) and the GPU check's.
-TRAIN = ("--epochs", "1", "--train-windows", "64")  # 4 steps of 16 windows
+TRAIN = ("--epochs", "1", "--train-windows", "64", *QUICK_SAMPLE)  # 4 steps of 16 windows
 
 
 # ----------------------------------------------------------------------------- the running example

@@ -94,7 +94,8 @@ def check_tp(tp: int, world_size: int, size: str, by_default: bool = False) -> N
 
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
-        compile: bool = False, reshard_after_forward: bool = True, tp: int = 1, log=print):
+        compile: bool = False, reshard_after_forward: bool = True, tp: int = 1,
+        sample_length: int = 60, log=print):
     """Train from scratch on ``device``; returns (the whole model's state dict, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     world_size = dist.get_world_size()
@@ -122,7 +123,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
     where = (f"world size {world_size} = dp {world_size // tp} x tp {tp}, backend "
              f"{dist.get_backend()}, global batch {world_size // tp} x {batch_size}")
-    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set, sample_length,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile,
                               reshard_after_forward=reshard_after_forward,
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
     whole, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile,
-                        reshard_after_forward=args.reshard_after_forward, tp=tp, log=log)
+                        reshard_after_forward=args.reshard_after_forward, tp=tp,
+                        sample_length=args.sample_length, log=log)
     return run.end_run(args, result, whole, rank)  # rank 0 holds the gathered whole model
 
 

@@ -16,11 +16,12 @@ from gpt import GPT, GPTConfig, GPTStage
 from torch import nn
 
 from harness.compare import assert_close
+from harness.launch import QUICK_SAMPLE
 from harness.ranks import group_params
 
 LESSON = "07_pipeline_parallel"
 SCRIPT = f"lessons/{LESSON}/train_pp.py"
-TRAIN = ("--epochs", "1", "--train-windows", "64")  # the script's run: 1 epoch, 64 windows
+TRAIN = ("--epochs", "1", "--train-windows", "64", *QUICK_SAMPLE)  # 1 epoch, 64 windows
 # 4 blocks: 2 stages of 2 blocks, or 4 of 1. Biases on: SGD steps on them as on the rest.
 CONFIG = dict(vocab_size=29, block_size=8, n_layer=4, n_head=2, n_embd=16, bias=True)
 BATCH = 8  # sequences per step: 1, 2, 4 or 8 micro-batches

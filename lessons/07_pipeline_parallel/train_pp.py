@@ -83,7 +83,8 @@ def busy_clock(module, device) -> dict[str, float]:
 
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
-        micro_batches: int = 4, log=print):
+        micro_batches: int = 4,
+        sample_length: int = 60, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
@@ -101,7 +102,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     amp = torch.bfloat16 if bf16 else None
 
     where = f"{world_size} stage(s) of {per} block(s), batch {batch_size} in {micro_batches} pieces"
-    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set, sample_length,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, micro_batches=micro_batches)
     for epoch in range(1, epochs + 1):
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
     log = run.rank_zero_log(rank)  # progress from rank 0 only
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
-                        bf16=args.bf16, micro_batches=args.micro_batches, log=log)
+                        bf16=args.bf16, micro_batches=args.micro_batches,
+                        sample_length=args.sample_length, log=log)
     return run.end_run(args, result, model.state_dict(), rank)
 
 

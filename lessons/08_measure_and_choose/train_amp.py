@@ -61,7 +61,7 @@ def train_one_epoch(model, loader, optimizer, scaler, device, amp=None) -> float
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
         compile: bool = False, fp16: bool = False, comm_hook: str = "none", ddp_options=None,
-        log=print):
+        sample_length: int = 60, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
@@ -82,7 +82,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
     where = (f"world size {dist.get_world_size()}, backend {dist.get_backend()}, global batch "
              f"{dist.get_world_size()} x {batch_size}")
-    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set, sample_length,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile, fp16=fp16, comm_hook=comm_hook,
                               ddp_options=ddp_options or {})
@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, fp16=args.fp16,
-                        comm_hook=args.comm_hook, ddp_options=options, log=log)
+                        comm_hook=args.comm_hook, ddp_options=options,
+                        sample_length=args.sample_length, log=log)
     weights = {"model": model.state_dict(), "scaler": result["scaler"]}
     return run.end_run(args, result, weights, rank)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from harness.launch import QUICK_SAMPLE
+
 LESSON = "09_survive_and_scale_out"
 RESILIENT = f"lessons/{LESSON}/train_resilient.py"
 # The batch job's settings: 2 epochs of 32 steps on 2 ranks, long enough to be signalled after
@@ -17,7 +19,8 @@ PREEMPTED_RUN = dict(epochs=2, batch_size=4, train_windows=256, dropout=0.1)
 PREEMPTED_STEPS = (PREEMPTED_RUN["epochs"] * PREEMPTED_RUN["train_windows"]
                    // (2 * PREEMPTED_RUN["batch_size"]))  # on 2 ranks
 PREEMPTED = ("--backend", "gloo", *(item for name, value in PREEMPTED_RUN.items()
-                                     for item in (f"--{name.replace('_', '-')}", str(value))))
+                                     for item in (f"--{name.replace('_', '-')}", str(value))),
+             *QUICK_SAMPLE)
 SBATCH = f"lessons/{LESSON}/slurm/train.sbatch"
 SHARDED = f"lessons/{LESSON}/sharded_checkpoint.py"
 # The elastic job: two nodes of one process (--nnodes=1:2); node 1 is lost after step 5, node 0's

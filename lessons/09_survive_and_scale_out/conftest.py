@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from harness.exercises import REPO_ROOT, load_exercise
-from harness.launch import free_port, path_with, start_first, start_nodes, start_script
+from harness.launch import (
+    QUICK_SAMPLE,
+    free_port,
+    path_with,
+    start_first,
+    start_nodes,
+    start_script,
+)
 from lesson09.common import (
     ELASTIC,
     ELASTIC_RDZV,
@@ -38,7 +45,7 @@ def launches(tmp_path_factory):
     # one machine would be two nccl ranks on cuda:0, which NCCL refuses (the GPU test of
     # test_09_survive_and_scale_out.py runs the restart on GPUs).
     common = ("--backend", "gloo", "--epochs", "1", "--batch-size", "4", "--train-windows", "64",
-              "--dropout", "0.1", "--save-every", "3")
+              "--dropout", "0.1", "--save-every", "3", *QUICK_SAMPLE)
     runs = {
         "restart": start_script(RESILIENT, *common, "--checkpoint-dir", str(folders["restart"]),
                                 "--crash-at-step", "5", launcher="torchrun", nproc=2,

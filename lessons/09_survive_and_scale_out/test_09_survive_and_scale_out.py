@@ -40,7 +40,7 @@ from gpt import GPT, CharDataset, GPTConfig, parameter_digest
 from harness.compare import assert_parameters_close
 from harness.exercises import REPO_ROOT, load_lesson_module
 from harness.hardware import needs_gpus
-from harness.launch import path_with, start_nodes, start_script
+from harness.launch import QUICK_SAMPLE, path_with, start_nodes, start_script
 from harness.ranks import run_on_ranks
 from lesson09.common import (
     BAD_ENVIRONMENTS,
@@ -429,7 +429,7 @@ def test_on_a_gpu_a_killed_rank_is_restarted_and_resumes(tmp_path):
     atomics (an order that varies), so the weights are compared within fp32 tolerance."""
     gpus = min(2, torch.cuda.device_count())
     common = ("--epochs", "1", "--batch-size", "4", "--train-windows", "64", "--dropout", "0.1",
-              "--save-every", "3")
+              "--save-every", "3", *QUICK_SAMPLE)
     runs = {name: start_script(RESILIENT, *common, *extra, "--checkpoint",
                                str(tmp_path / f"{name}.pt"), launcher="torchrun", nproc=gpus,
                                launcher_args=launcher_args, env=RESTARTABLE, timeout=240)

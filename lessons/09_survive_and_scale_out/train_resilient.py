@@ -81,7 +81,8 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
         compile: bool = False, fp16: bool = False, dropout: float = 0.0,
         checkpoint_dir: Path | None = None, save_every: int = 0,
-        crash_at_step: int = 0, log=print):
+        crash_at_step: int = 0,
+        sample_length: int = 60, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
@@ -100,7 +101,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
     where = (f"world size {dist.get_world_size()}, backend {dist.get_backend()}, global batch "
              f"{dist.get_world_size()} x {batch_size}")
-    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set, sample_length,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile, fp16=fp16)
     torch.manual_seed(seed + dist.get_rank())  # each rank draws its own dropout masks
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, fp16=args.fp16,
                         dropout=args.dropout, checkpoint_dir=args.checkpoint_dir,
-                        save_every=args.save_every or 0, crash_at_step=args.crash_at_step, log=log)
+                        save_every=args.save_every or 0, crash_at_step=args.crash_at_step,
+                        sample_length=args.sample_length, log=log)
     weights = {"model": model.state_dict(), "scaler": result["scaler"]}
     return run.end_run(args, result, weights, rank)
 

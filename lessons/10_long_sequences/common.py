@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.launch import QUICK_SAMPLE
 from harness.ranks import group_params
 
 LESSON = "10_long_sequences"
 SCRIPT = f"lessons/{LESSON}/ring_attention.py"
 SCRIPT_ARGS = ("--batch-size", "2", "--heads", "2", "--length", "32", "--head-dim", "8")
 TRAIN_SCRIPT = f"lessons/{LESSON}/train_cp.py"
-TRAIN = ("--epochs", "1", "--train-windows", "64")  # 4 steps of 16 windows
+TRAIN = ("--epochs", "1", "--train-windows", "64", *QUICK_SAMPLE)  # 4 steps of 16 windows
 # gloo with CPU tensors (1 to 4 ranks); CUDA: gloo ranks sharing cuda:0, nccl one rank per GPU.
 GROUPS = group_params(world_sizes=(1, 2, 3, 4), cuda_world_sizes=(2,))
 # The ring sends and receives: gloo has no point-to-point for CUDA tensors, so nccl only there.

@@ -101,7 +101,8 @@ def train_one_epoch(model, loader, optimizer, device, positions) -> float:
 
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None,
-        compile: bool = False, cp: int = 1, log=print):
+        compile: bool = False, cp: int = 1,
+        sample_length: int = 60, log=print):
     """Train from scratch on ``device``; returns (model, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     world_size = dist.get_world_size()
@@ -122,7 +123,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
 
     where = (f"world size {world_size} = dp {world_size // cp} x cp {cp}, backend "
              f"{dist.get_backend()}, global batch {world_size // cp} x {batch_size}")
-    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set, sample_length,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, compile=compile, cp=cp, dp=world_size // cp)
     for epoch in range(1, epochs + 1):
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
     log = run.rank_zero_log(rank)  # progress from rank 0 only
     model, result = fit(device, size=args.size, epochs=args.epochs, batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
-                        compile=args.compile, cp=cp, log=log)
+                        compile=args.compile, cp=cp,
+                        sample_length=args.sample_length, log=log)
     return run.end_run(args, result, model.state_dict(), rank)
 
 

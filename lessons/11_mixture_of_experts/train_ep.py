@@ -102,7 +102,8 @@ def train_one_epoch(model, loader, optimizer, device, amp, aux_weight: float, sy
 def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: int = 16,
         lr: float = 3e-3, seed: int = 0, train_windows: int | None = None, bf16: bool = False,
         compile: bool = False, ep: int = 1, experts: int = 4, k: int = 2,
-        capacity_factor: float | None = 1.25, aux_weight: float = 0.01, log=print):
+        capacity_factor: float | None = 1.25, aux_weight: float = 0.01,
+        sample_length: int = 60, log=print):
     """Train from scratch on ``device``; returns (every expert's state dict, result dict)."""
     dataset, train_set, val_set = run.windows(size, train_windows)
     train_loader, val_loader = make_loaders(train_set, val_set, batch_size, seed, device)
@@ -124,7 +125,7 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     where = (f"world size {world_size} = dp {world_size // ep} x ep {ep}, {experts // ep} of "
              f"{experts} experts each, backend {dist.get_backend()}, global batch {world_size} x "
              f"{batch_size}")
-    result = run.begin_result(log, device, where, model, dataset, train_set, val_set,
+    result = run.begin_result(log, device, where, model, dataset, train_set, val_set, sample_length,
                               size=size, seed=seed, epochs=epochs, batch_size=batch_size,
                               lr=lr, bf16=bf16, compile=compile, dp=world_size // ep, ep=ep,
                               experts=experts, k=k, capacity_factor=capacity_factor,
@@ -169,7 +170,8 @@ def main(argv=None) -> int:
                         lr=args.lr, seed=args.seed, train_windows=args.train_windows,
                         bf16=args.bf16, compile=args.compile, ep=ep, experts=args.experts,
                         k=args.k, capacity_factor=args.capacity_factor or None,
-                        aux_weight=args.aux_weight, log=log)
+                        aux_weight=args.aux_weight,
+                        sample_length=args.sample_length, log=log)
     return run.end_run(args, result, whole, rank)
 
 

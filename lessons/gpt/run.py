@@ -24,7 +24,8 @@ reader sees at a glance which lines are shared::
   group (lesson 03 explains each line).
 - The command line: :func:`add_common_arguments` (the flags every script takes, spelt one way,
   and with ``launched=True`` those of a script a launcher starts),
-  :func:`positive_int`, :func:`positive_float`, :func:`refuse` (an error that names the script),
+  :func:`positive_int`, :func:`non_negative_int`, :func:`positive_float`, :func:`refuse` (an
+  error that names the script),
   :func:`rank_zero_log` (progress printed by one process only).
 - Files that must survive a crash and a power loss: :func:`save_checkpoint`,
   :func:`sync_to_disk` and :func:`replace_directory` (lesson 09 explains why each step is there).
@@ -228,7 +229,10 @@ def evaluate(model, loader, device, amp: torch.dtype | None = None,
 
 
 def sample(model, dataset: CharDataset, device, length: int = 60) -> str:
-    """``length`` characters generated after a newline, always from the same random draws."""
+    """``length`` characters generated after a newline, always from the same random draws (a
+    shorter sample is the start of a longer one); ``""`` for 0, without running the model."""
+    if length == 0:
+        return ""
     start = torch.tensor([dataset.encode("\n")], device=device)
     ids = model.generate(start, length, generator=torch.Generator().manual_seed(0))
     return dataset.decode(ids[0, 1:])
@@ -239,7 +243,8 @@ def begin_result(log, device, where: str, model, dataset, train_set, val_set,
     """Log what is about to run and start its record: the ``settings`` it was given (with the
     group's world size and backend, once there is a process group), torch's version, a sample
     of ``sample_length`` characters from the untrained model (the same length again after
-    training), and empty per-epoch lists."""
+    training; each character is a forward, so a quick run asks for few or none), and empty
+    per-epoch lists."""
     log(f"device {device} ({where}), torch {torch.__version__}, {len(train_set)} train / "
         f"{len(val_set)} val windows of {dataset.block_size} characters, "
         f"{model.num_parameters():,} parameters, seed {settings.get('seed')}")
@@ -353,6 +358,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -382,6 +394,9 @@ def add_common_arguments(parser: argparse.ArgumentParser,
                         help="CPU threads (default 1: the tiny model's matrices are too small "
                              "to share out)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--sample-length", type=non_negative_int, default=60,
+                        help="characters to generate before and after training (default 60; "
+                             "each is one forward of the model; 0: none)")
     parser.add_argument("--checkpoint", type=Path, help="save the trained weights here")
     parser.add_argument("--result", type=Path, help="write the result as JSON to this path")
     return parser

@@ -41,16 +41,24 @@ from harness.processes import descendants
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT")
 
+# The text a training run samples before and after training costs one forward a character (on
+# several ranks, a collective or more each): a test's quick run asks for a few characters, the
+# start of the full sample (lesson 00 checks that a shorter sample is a prefix of a longer one).
+QUICK_SAMPLE_LENGTH = 8
+QUICK_SAMPLE = ("--sample-length", str(QUICK_SAMPLE_LENGTH))
+
 
 def one_process_fit(ctx, train_windows: int, batch_size: int = 16) -> dict:
     """The chain's reference run, on a pooled rank of a group of one: lesson 03's ``fit()``
     (DDP on one process, the data in one order), one epoch of the first ``train_windows``
-    windows. Later lessons' scripts must take its steps. Returns its trained ``state`` (a plain
+    windows, sampling :data:`QUICK_SAMPLE_LENGTH` characters as the tests' launches do. Later
+    lessons' scripts must take its steps. Returns its trained ``state`` (a plain
     GPT state dict) and its ``result``. Use it as ``run_on_ranks(one_process_fit, 64,
     world_size=1)``: a launch of its own would cost seconds."""
     train = load_lesson_module("03_ddp", "train_ddp")
     model, result = train.fit(ctx.device, epochs=1, batch_size=batch_size,
-                              train_windows=train_windows, log=lambda *args, **kwargs: None)
+                              train_windows=train_windows, sample_length=QUICK_SAMPLE_LENGTH,
+                              log=lambda *args, **kwargs: None)
     return {"state": model.state_dict(), "result": result}
 
 

@@ -61,7 +61,8 @@ def _labs(*names: str) -> tuple[Script, ...]:
     return tuple(Script(f"labs/{name}.py", "torchrun", 2, ("--fix",)) for name in names)
 
 
-QUICK = ("--epochs", "1", "--train-windows", "64")  # the chain's scripts, at their smallest
+# The chain's scripts, at their smallest (8 characters sampled: harness.launch.QUICK_SAMPLE).
+QUICK = ("--epochs", "1", "--train-windows", "64", "--sample-length", "8")
 
 COURSE: tuple[Lesson, ...] = (
     Lesson("00_single_gpu", "One device, done right",
@@ -160,8 +161,10 @@ COURSE: tuple[Lesson, ...] = (
                    builds_on="08_measure_and_choose/train_amp.py"),
             Script("train_resilient.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
                    builds_on="09_survive_and_scale_out/train_checkpoint.py"),
+            # 185 lines: DDP, mixed precision, checkpoints, restarts and preemption, the most any
+            # step carries
             Script("train_preemptible.py", "torchrun", 2, (*QUICK, "--save-every", "1"),
-                   builds_on="09_survive_and_scale_out/train_resilient.py"),
+                   builds_on="09_survive_and_scale_out/train_resilient.py", max_lines=185),
             Script("sharded_checkpoint.py", "torchrun", 2, ("--steps", "1")),
             Script("bench_checkpoint.py", "torchrun", 2,
                    ("--steps", "2", "--save-every", "1", "--n-embd", "32")),
