@@ -256,16 +256,16 @@ def pipeline(method: str, model: GPT, inputs: torch.Tensor, targets: torch.Tenso
     return step, chunks, optimizer, predicted
 
 
-def timed_steps(step, steps: int, device: torch.device) -> float:
-    """The median step time of this rank, in seconds, after 2 untimed steps."""
+def timed_steps(step, steps: int, device: torch.device, warmup: int = 2) -> float:
+    """The median step time of this rank, in seconds, after ``warmup`` untimed steps."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
-    for i in range(steps + 2):
+    for i in range(steps + warmup):
         sync()
         began = time.perf_counter()
         step()
         sync()
-        if i >= 2:
+        if i >= warmup:
             times.append(time.perf_counter() - began)
     return statistics.median(times)
 
@@ -306,7 +306,7 @@ def worker(args) -> None:
         if use_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         step, module, optimizer, predicted_comm = build(method, config, device, args.batch_size)
-        seconds = timed_steps(step, args.steps, device)
+        seconds = timed_steps(step, args.steps, device, args.warmup)
         seconds = seconds if alone else slowest(seconds, device)
         kept = state_tensors(module, optimizer)
         with AllocationPeak(ignore=kept) as peak, CommBytes() as counter:  # beyond the state
@@ -336,7 +336,7 @@ def worker(args) -> None:
             row["compute_ms"], row["exposed_comm_ms"] = row["step_ms"], 0.0
             continue
         step, *_ = build(method, config, device, args.batch_size, fake=True)
-        compute = timed_steps(step, args.steps, device)
+        compute = timed_steps(step, args.steps, device, args.warmup)
         row["compute_ms"] = compute * 1e3
         row["exposed_comm_ms"] = max(0.0, row["step_ms"] / 1e3 - compute) * 1e3
         del step
@@ -415,6 +415,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, in all")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     if "RANK" in os.environ:
-        print("error: run this with plain python: it starts torchrun itself, once per method",
+        print("error: run this with plain python: it starts torchrun itself",
               file=sys.stderr)
         return 2
     gpus = torch.cuda.device_count() if args.device == "auto" else 0
@@ -449,7 +450,8 @@ def main(argv=None) -> int:
                    "--worker", ",".join(wanted), "--out", str(out), "--device", args.device,
                    "--width", str(args.width), "--blocks", str(args.blocks),
                    "--context", str(args.context), "--batch-size", str(args.batch_size),
-                   "--steps", str(args.steps), "--threads", str(args.threads)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--threads", str(args.threads)]
         run = subprocess.run(command, capture_output=True, text=True, timeout=900,
                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if run.returncode != 0 or not out.exists():

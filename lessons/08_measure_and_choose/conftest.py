@@ -32,7 +32,8 @@ def launches(tmp_path_factory):
                          "--trace", str(folder / "trace.json"),
                          launcher="torchrun", nproc=2)
     methods = start_script(METHODS, *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()],
-                           "--steps", "1", "--csv", str(folder / "m.csv"), timeout=300)
+                           "--steps", "1", "--warmup", "1", "--csv", str(folder / "m.csv"),
+                           timeout=300)
     yield {"bench": bench, "costs": costs, "methods": methods, "folder": folder}
     for launch in (bench, costs, methods):
         launch.stop()

@@ -257,7 +257,7 @@ def test_collective_benchmark_on_two_gpus_uses_nccl(tmp_path):
 @needs_gpus(2, "nccl, 2 ranks, and nn.DataParallel on 2 GPUs")
 def test_methods_side_by_side_on_two_gpus_include_dataparallel_and_peak_memory():
     rows = run_script(METHODS, *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()],
-                      "--steps", "1", timeout=300).data
+                      "--steps", "1", "--warmup", "1", timeout=300).data
     first = {row["method"]: row for row in rows if row["rank"] == 0}
     assert "dataparallel" in first and first["ddp"]["device"] == "cuda:0", first
     assert all(row["peak_bytes"] and row["peak_bytes"] >= row["state_bytes"] for row in rows)

@@ -141,7 +141,7 @@ COURSE: tuple[Lesson, ...] = (
             # It starts torchrun itself, once, for every method.
             Script("compare_methods.py", smallest=(
                 "--width", "32", "--blocks", "2", "--context", "16", "--batch-size", "8",
-                "--steps", "1", "--methods", "one process,ddp")),
+                "--steps", "1", "--warmup", "1", "--methods", "one process,ddp")),
             Script("train_amp.py", "torchrun", 2, (*QUICK, "--fp16", "--comm-hook", "bf16"),
                    builds_on="03_ddp/train_ddp.py"),
             Script("scaling.py", "torchrun", 2,
