@@ -371,3 +371,68 @@ def build_sharded(config, seed: int = 0, device: str = "cpu") -> nn.Module:
     """
     raise NotImplementedError("task5_8: meta device, fully_shard, to_empty, init_weights")
 # --8<-- [end:build_sharded]
+
+
+# --8<-- [start:activation_bytes]
+def activation_bytes(config, batch_size: int, checkpoint: bool = False) -> int:
+    """The bytes autograd keeps from one training forward of the running example
+    (``GPT(config)``, fp32, dropout 0, attention by the CPU's kernel) on ``batch_size`` sequences
+    of ``config.block_size`` tokens, with the targets: what a rank holds between its forward and
+    its backward, the parameters aside.
+
+    Count each storage once (the three projections share one input; a view saves no new bytes).
+    Per token, writing C = ``n_embd`` and H = ``n_head``, a block keeps 16C + H + 4 floats (the
+    README's table, "What a block keeps", names each); a block checkpointed (``checkpoint=True``
+    checkpoints every block, as ``checkpoint_blocks(model, every=1)`` does) keeps only its
+    input, C floats. Outside the blocks the forward keeps the token ids and the targets (int64,
+    8 bytes each), the positions (int64, one per position: the batch shares them), the final
+    norm's input, mean, reciprocal standard deviation and output (2C + 2 floats per token), the
+    log-softmax of the logits (V = ``vocab_size`` floats per token) and one float for the loss.
+
+    A ``batch_size`` below 1, or a ``config`` with dropout, raises ``ValueError`` (dropout keeps
+    masks this count leaves out).
+
+    The test asks torch itself: its saved-tensors hooks, handed everything autograd keeps, on
+    generated sizes (with and without biases and checkpointing); it must be exact.
+    """
+    raise NotImplementedError("task5_9: what each block keeps, and what the rest keeps")
+# --8<-- [end:activation_bytes]
+
+
+# --8<-- [start:peak_bytes]
+def peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 0,
+               checkpoint: bool = False) -> int:
+    """The most bytes one rank holds during a training step of the running example with AdamW,
+    predicted: ``batch_size`` sequences in all, split evenly over ``world_size`` ranks. Stage 0
+    is DDP with ``gradient_as_bucket_view=True`` (the gradients are views into its buckets:
+    one copy); stage 3 is FSDP2 (``fully_shard`` on each block, then on the model) with
+    ``zero_grad(set_to_none=False)``. Either way the rank holds its training state throughout
+    the step, so the peak is
+
+        state + activations + the largest transient (+ FSDP2's gathered parameters)
+
+    - state: ``memory_per_rank(Ψ, world_size, stage)["total"]`` (your task5_1), Ψ the model's
+      parameters: 2VC + TC (embeddings and head), 12C² + 13C per block with biases (12C² + 2C
+      without), C for the final norm (2C with a bias);
+    - activations: ``activation_bytes`` of this rank's ``batch_size // world_size`` sequences;
+    - the largest transient, of three moments of the backward (4 bytes a float, N this rank's
+      tokens): the loss's backward, 3NV (the logits, the gradient into the log-softmax, the
+      gradient out of it); a weight's gradient before it is added in, the largest weight (4C·C
+      or V·C) under DDP, a block's whole gradients (its parameters) under FSDP2, before their
+      reduce-scatter; and with ``checkpoint=True``, the recomputed block: its activations
+      (N(16C + H + 4)), the logits (NV) and that weight's gradient;
+    - stage 3 also holds gathered parameters whole: two blocks' (the one running and the next,
+      prefetched; one if there is one block) and the root's (embeddings, final norm, head),
+      which FSDP2 keeps gathered from its forward to its backward.
+
+    A ``stage`` other than 0 or 3, ``world_size`` below 1, or a ``batch_size`` that does not
+    split evenly over the ranks raises ``ValueError`` (as ``activation_bytes`` does for the rest).
+
+    The test trains the model on 1, 2 and 4 gloo ranks, DDP and FSDP2, with and without
+    checkpointing, on configurations where activations, the state or the loss dominate, and
+    measures each rank's peak (``harness.memory``): your prediction must be within 15 % of it
+    (the reference's is within 5 %, 10 % in the runs where a reduce-scatter's buffers are freed
+    late).
+    """
+    raise NotImplementedError("task5_9: state, activations, the largest transient, gathered")
+# --8<-- [end:peak_bytes]

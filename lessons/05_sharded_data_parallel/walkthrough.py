@@ -143,3 +143,34 @@ assert run.returncode == 0, run.stderr
 # rows on both ranks. The
 # lesson's text shows how this script differs from lesson 03's (the diff is short), and the
 # exercises build ZeRO stages 1 to 3 by hand.
+
+# %% [markdown]
+# ## 5. What a forward keeps for the backward
+#
+# Everything autograd saves passes through a saved-tensors hook. Count each storage once, the
+# parameters aside: the tiny model keeps 16C + H + 4 floats per token in each block (the
+# README's table names each), and a checkpointed block only its input. task5_9 turns this count,
+# and what a step adds for a moment, into a prediction of a rank's peak.
+
+# %%
+def kept_bytes(model, ids):
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage()._cdata not in parameters:
+            kept[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids, ids)
+    return sum(kept.values())
+
+
+config = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=32)
+ids = torch.randint(65, (8, 32))
+with_four, with_five = (kept_bytes(GPT(GPTConfig(**{**config.__dict__, "n_layer": n})), ids)
+                        for n in (4, 5))
+per_token = (with_five - with_four) / (4 * ids.numel())
+print(f"one more block keeps {with_five - with_four:,} bytes: {per_token:.0f} floats per token;"
+      f" 16C + H + 4 = {16 * 32 + 4 + 4}")

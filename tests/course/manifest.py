@@ -107,7 +107,7 @@ COURSE: tuple[Lesson, ...] = (
             "task5_3": "Zero2Optimizer",
             "task5_4": "shard_model", "task5_5": "AllGatherShard, Zero3Blocks",
             "task5_6": "checkpoint_blocks", "task5_7": "prefetch",
-            "task5_8": "build_sharded"},
+            "task5_8": "build_sharded", "task5_9": "activation_bytes, peak_bytes"},
            (Script("train_fsdp.py", "torchrun", 2, QUICK, builds_on="03_ddp/train_ddp.py"),)),
     Lesson("06_tensor_parallel", "Tensor parallel: split layers, DTensor, 2-D",
            {"task6_1": "CopyToParallel, ReduceFromParallel",

@@ -1,0 +1,354 @@
+"""Grades task5_9, activation_bytes and peak_bytes: what a forward keeps, counted against torch's
+own saved-tensors hooks on generated sizes, and a step's peak per rank, predicted against the
+peak measured on 1, 2 and 4 gloo ranks under DDP and FSDP2, with and without checkpointing.
+
+    pytest lessons/05_sharded_data_parallel -m task5_9
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig
+
+from harness.exercises import raise_if_untouched
+from harness.hardware import needs_gpus
+from harness.memory import AllocationPeak
+from harness.ranks import run_on_ranks
+from harness.sweep import st, sweep
+
+# This task's contract, clause by clause, and the tests that fail when only that clause
+# is broken (tests/test_course.py checks the names).
+CLAUSES = {
+    "task5_9": {
+        "activation_bytes: what autograd keeps from one forward, each storage once, parameters "
+        "aside": ["test_activation_bytes_are_what_autograd_keeps",
+                  "test_activation_bytes_for_any_size"],
+        "a block keeps 16C + H + 4 floats per token": [
+            "test_activation_bytes_are_what_autograd_keeps", "test_activation_bytes_for_any_size"],
+        "a checkpointed block keeps its input, C floats": [
+            "test_activation_bytes_are_what_autograd_keeps", "test_activation_bytes_for_any_size"],
+        "outside the blocks: ids, targets, positions, the final norm, the log-softmax, the loss":
+            ["test_activation_bytes_are_what_autograd_keeps",
+             "test_activation_bytes_for_any_size"],
+        "activation_bytes: batch_size below 1, or dropout, raises ValueError":
+            ["test_activation_bytes_refuses_what_it_does_not_count"],
+        "peak_bytes: state + activations + the largest transient (+ gathered), within 15 % of "
+        "the measured peak": ["test_peak_bytes_predicts_the_measured_peak",
+                              "test_peak_bytes_is_the_texts_sum_for_any_size"],
+        "the state is task5_1's memory_per_rank for stage 0 (DDP) or 3 (FSDP2), Ψ as GPT has it":
+            ["test_peak_bytes_predicts_the_measured_peak",
+             "test_peak_bytes_is_the_texts_sum_for_any_size"],
+        "the activations of this rank's batch_size // world_size sequences": [
+            "test_peak_bytes_predicts_the_measured_peak",
+            "test_peak_bytes_is_the_texts_sum_for_any_size"],
+        "the transient with checkpoint=True: the recomputed block": [
+            "test_peak_bytes_predicts_the_measured_peak",
+            "test_peak_bytes_is_the_texts_sum_for_any_size"],
+        "stage 3 holds two blocks (one if there is one) and the root gathered": [
+            "test_peak_bytes_predicts_the_measured_peak",
+            "test_peak_bytes_is_the_texts_sum_for_any_size"],
+        "defaults: one rank, DDP, no checkpointing": [
+            "test_peak_bytes_predicts_the_measured_peak",
+            "test_peak_bytes_is_the_texts_sum_for_any_size"],
+        "peak_bytes: a stage other than 0 or 3, world_size below 1, or an uneven split raises "
+        "ValueError": ["test_peak_bytes_refuses_what_it_does_not_predict"],
+    },
+}
+
+TOLERANCE = 0.15  # the reference: within 5 %, 10 % when a reduce-scatter finishes late (see README)
+
+
+def model_of(config: GPTConfig, checkpoint: bool) -> GPT:
+    """``GPT(config)``, every block wrapped by ``checkpoint_wrapper`` when asked."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = GPT(config)
+    if checkpoint:
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = checkpoint_wrapper(block)
+    return model
+
+
+def kept_by_autograd(config: GPTConfig, batch_size: int, checkpoint: bool) -> int:
+    """The oracle: the bytes of every storage torch's saved-tensors hook is handed during one
+    training forward (each storage once), less the parameters'."""
+    torch.manual_seed(0)
+    model = model_of(config, checkpoint).train()
+    ids = torch.randint(config.vocab_size, (batch_size, config.block_size))
+    targets = torch.randint(config.vocab_size, (batch_size, config.block_size))
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters:
+            kept[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids, targets)
+    return sum(kept.values())
+
+
+def activation_diagnosis(config: GPTConfig, batch_size: int, got: int, want: int) -> str:
+    """Name the mistake where the difference is a whole number of floats per token and block,
+    or per token outside the blocks."""
+    tokens = batch_size * config.block_size
+    difference = got - want
+    C, H = config.n_embd, config.n_head
+    blocks = config.n_layer
+    for floats, what in (
+            (C, "a block's C: the attention's output reshaped is a view, not a copy; the "
+                "three projections share one input"),
+            (2 * C, "2C per block: q, k and v's input is one tensor, counted once"),
+            (H, "H per block: the attention keeps one log-sum-exp per head and token"),
+            (4, "4 per block: each of the two layer norms keeps a mean and a reciprocal "
+                "standard deviation per token"),
+            (8 * C, "8C per block: the MLP keeps its up projection's output (4C) and its GELU's "
+                    "(4C)"),
+            (15 * C + H + 4, "a checkpointed block keeps its input (C floats per token), not "
+                             "the 16C + H + 4 of a block that is not")):
+        if difference in (floats * 4 * tokens * blocks, -floats * 4 * tokens * blocks):
+            return f"off by {floats} floats per token in each block: {what}"
+    if abs(difference) in (8 * config.block_size, 8 * (tokens - config.block_size)):
+        return ("off by the positions: one int64 per position, shared by the batch (not one "
+                "per token)")
+    if abs(difference) in (8 * tokens, 16 * tokens):
+        return "off by int64s per token: the token ids and the targets, 8 bytes each"
+    if abs(difference) == 4 * tokens * config.vocab_size:
+        return "off by V floats per token: the log-softmax of the logits"
+    return f"off by {difference:+,} bytes ({difference / (4 * tokens):+.2f} floats per token)"
+
+
+def check_activation_bytes(ex, config: GPTConfig, batch_size: int, checkpoint: bool) -> None:
+    # Without checkpointing, the default: the argument left out.
+    got = (ex.activation_bytes(config, batch_size, checkpoint=True) if checkpoint
+           else ex.activation_bytes(config, batch_size))
+    want = kept_by_autograd(config, batch_size, checkpoint)
+    if got != want:
+        raise AssertionError(
+            f"activation_bytes({config}, batch_size={batch_size}, checkpoint={checkpoint}) = "
+            f"{got!r}; torch keeps {want:,} bytes: "
+            f"{activation_diagnosis(config, batch_size, got, want)}")
+
+
+@pytest.mark.task5_9
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_activation_bytes_are_what_autograd_keeps(ex, checkpoint):
+    """The course's tiny model, 16 sequences: the count must be torch's to the byte."""
+    config = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=32)
+    check_activation_bytes(ex, config, 16, checkpoint)
+
+
+@pytest.mark.task5_9
+@sweep(max_examples=30, heads=st.integers(1, 4), head_dim=st.integers(1, 8),
+       layers=st.integers(1, 3), length=st.integers(1, 16), batch=st.integers(1, 4),
+       vocab=st.integers(2, 70), bias=st.booleans(), checkpoint=st.booleans())
+def test_activation_bytes_for_any_size(ex, heads, head_dim, layers, length, batch, vocab, bias,
+                                       checkpoint):
+    config = GPTConfig(vocab_size=vocab, block_size=length, n_layer=layers, n_head=heads,
+                       n_embd=heads * head_dim, bias=bias)
+    check_activation_bytes(ex, config, batch, checkpoint)
+
+
+@pytest.mark.task5_9
+@pytest.mark.parametrize("batch_size, dropout", [(0, 0.0), (-2, 0.0), (4, 0.1)],
+                         ids=["no-sequence", "negative", "dropout"])
+def test_activation_bytes_refuses_what_it_does_not_count(ex, batch_size, dropout):
+    config = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                       dropout=dropout)
+    with pytest.raises(ValueError):
+        got = ex.activation_bytes(config, batch_size)
+        raise AssertionError(
+            f"activation_bytes(dropout={dropout}, batch_size={batch_size}) returned {got!r}: "
+            f"raise ValueError, the count is for at least one sequence and dropout 0")
+
+
+# What each configuration's peak is made of: the activations (ACTIVATIONS), the state
+# (STATE: wide and short) or the loss over a large vocabulary (LOSS); the last has no biases.
+ACTIVATIONS = dict(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=32)
+STATE = dict(vocab_size=65, block_size=8, n_layer=2, n_head=4, n_embd=128)
+LOSS = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_embd=32)
+NO_BIAS = dict(vocab_size=40, block_size=12, n_layer=3, n_head=3, n_embd=48, bias=False)
+CASES = {  # world size -> (configuration, sequences in all)
+    1: [(ACTIVATIONS, 8), (STATE, 4)],
+    2: [(ACTIVATIONS, 16), (STATE, 4), (LOSS, 4), (NO_BIAS, 6)],
+    4: [(ACTIVATIONS, 16), (LOSS, 8)],
+}
+
+
+def train_step(step_model, optimizer, ids, targets) -> None:
+    """One step as the lesson's scripts take it; the gradients are zeroed, not freed, so the
+    state is held throughout. The logits stay alive through the backward, as a caller's do."""
+    optimizer.zero_grad(set_to_none=False)
+    _logits, loss = step_model(ids, targets)
+    loss.backward()
+    optimizer.step()
+
+
+def peaks_on_rank(ctx, cases: list) -> list[int]:
+    """Each case trained for three steps on these ranks; the most bytes this rank held during
+    the third: its state (parameters, gradients, AdamW's moments, held throughout) and the most
+    the step's new tensors held at once beyond it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def local(tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    peaks = []
+    for config, batch_size, stage, checkpoint in cases:
+        config = GPTConfig(**config)
+        model = model_of(config, checkpoint)
+        if stage == 3:
+            for block in model.blocks:
+                fully_shard(block)
+            step_model = fully_shard(model)
+        else:  # the gradients are views into DDP's buckets: one copy
+            step_model = DDP(model, gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(ctx.rank)
+        shape = (batch_size // ctx.world_size, config.block_size)
+        ids = torch.randint(config.vocab_size, shape, generator=generator)
+        targets = torch.randint(config.vocab_size, shape, generator=generator)
+
+        for _ in range(2):  # AdamW's moments exist, and DDP has rebuilt its buckets
+            train_step(step_model, optimizer, ids, targets)
+        kept = [local(t) for p in model.parameters() for t in (p, p.grad)]
+        kept += [local(t) for s in optimizer.state.values() for t in s.values()
+                 if torch.is_tensor(t)]
+        state = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                     for t in kept}.values())
+        with AllocationPeak(ignore=kept) as peak:
+            train_step(step_model, optimizer, ids, targets)
+        peaks.append(state + peak.bytes)
+        del step_model, model, optimizer, kept, peak
+    return peaks
+
+
+def predict(ex, config: GPTConfig, batch_size: int, world: int, stage: int,
+            checkpoint: bool) -> int:
+    """``peak_bytes``, the defaults (one rank, DDP, no checkpointing) left out where they hold."""
+    arguments = {name: value for name, value, default in (
+        ("world_size", world, 1), ("stage", stage, 0), ("checkpoint", checkpoint, False))
+        if value != default}
+    return ex.peak_bytes(config, batch_size, **arguments)
+
+
+@pytest.mark.task5_9
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_peak_bytes_predicts_the_measured_peak(ex, world):
+    raise_if_untouched(ex.peak_bytes, ex.activation_bytes)
+    cases = [(config, batch, stage, checkpoint) for config, batch in CASES[world]
+             for stage in (0, 3) for checkpoint in (False, True)]
+    predicted = [predict(ex, GPTConfig(**config), batch, world, stage, checkpoint)
+                 for config, batch, stage, checkpoint in cases]
+    measured = [max(by_rank) for by_rank in zip(*run_on_ranks(
+        peaks_on_rank, cases, world_size=world, timeout=240), strict=True)]
+    wrong = []
+    for (config, batch, stage, checkpoint), want, got in zip(cases, measured, predicted,
+                                                             strict=True):
+        if not isinstance(got, int) or abs(got / want - 1) > TOLERANCE:
+            method = "FSDP2" if stage == 3 else "DDP"
+            wrong.append(f"{method}{', checkpointed' if checkpoint else ''}, {batch} sequences "
+                         f"in all of GPTConfig({config}): predicted {got!r}, measured "
+                         f"{want:,} ({got / want:.2f}x)" if isinstance(got, int) else
+                         f"{method}: peak_bytes returned {got!r}, not an int")
+    assert not wrong, (
+        f"peak_bytes on {world} rank(s), off by more than {TOLERANCE:.0%} of the measured "
+        f"peak:\n  " + "\n  ".join(wrong) + "\n(a rank's batch is batch_size // world_size; "
+        "the state is memory_per_rank's for the stage; with checkpointing the backward "
+        "recomputes one block whole; FSDP2 holds two blocks and the root gathered)")
+
+
+def texts_sum(config: GPTConfig, batch_size: int, world: int, stage: int,
+              checkpoint: bool) -> dict[str, int]:
+    """The oracle, written from the text: the parameters counted by torch, the activations by
+    its saved-tensors hook, the rest as the docstring adds it up."""
+    model = GPT(config)
+    psi = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    root = psi - config.n_layer * block
+    share = batch_size // world
+    tokens = share * config.block_size
+    C, H, V = config.n_embd, config.n_head, config.vocab_size
+    gradient = block if stage == 3 else max(4 * C * C, V * C)
+    moments = [3 * tokens * V, gradient]
+    if checkpoint:
+        moments.append(tokens * (16 * C + H + 4 + V) + gradient)
+    return {"state": 16 * (-(-psi // world) if stage == 3 else psi),
+            "activations": kept_by_autograd(config, share, checkpoint),
+            "largest moment": 4 * max(moments),
+            "gathered": 4 * (min(2, config.n_layer) * block + root) if stage == 3 else 0}
+
+
+@pytest.mark.task5_9
+@sweep(max_examples=30, heads=st.integers(1, 4), head_dim=st.integers(1, 8),
+       layers=st.integers(1, 3), length=st.integers(1, 16), share=st.integers(1, 3),
+       world=st.integers(1, 4), vocab=st.integers(2, 70), bias=st.booleans(),
+       stage=st.sampled_from([0, 3]), checkpoint=st.booleans())
+def test_peak_bytes_is_the_texts_sum_for_any_size(ex, heads, head_dim, layers, length, share,
+                                                  world, vocab, bias, stage, checkpoint):
+    """To the byte, for generated sizes: the measured test above shows the sum is the peak,
+    within its tolerance; this one that the sum is the one the text adds up."""
+    config = GPTConfig(vocab_size=vocab, block_size=length, n_layer=layers, n_head=heads,
+                       n_embd=heads * head_dim, bias=bias)
+    parts = texts_sum(config, share * world, world, stage, checkpoint)
+    got = predict(ex, config, share * world, world, stage, checkpoint)
+    want = sum(parts.values())
+    assert got == want, (
+        f"peak_bytes({config}, batch_size={share * world}, world_size={world}, stage={stage}, "
+        f"checkpoint={checkpoint}) = {got!r}; the text's sum is {want:,}: "
+        + ", ".join(f"{name} {value:,}" for name, value in parts.items())
+        + " (Ψ and a block's parameters as GPT(config) has them, biases or not)")
+
+
+@pytest.mark.task5_9
+@pytest.mark.parametrize("arguments", [dict(stage=1), dict(stage=2), dict(stage=4),
+                                       dict(world_size=0), dict(world_size=3)],
+                         ids=["stage1", "stage2", "stage4", "no-rank", "uneven"])
+def test_peak_bytes_refuses_what_it_does_not_predict(ex, arguments):
+    config = GPTConfig(**ACTIVATIONS)
+    with pytest.raises(ValueError):
+        got = ex.peak_bytes(config, 16, **{"world_size": 2, "stage": 0, **arguments})
+        raise AssertionError(
+            f"peak_bytes(16 sequences, {arguments}) returned {got!r}: raise ValueError; it "
+            f"predicts DDP (stage 0) and FSDP2 (stage 3), over ranks that split the batch "
+            f"evenly")
+
+
+@needs_gpus(1, "the peak on a GPU, torch.cuda.max_memory_allocated")
+@pytest.mark.task5_9
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_peak_bytes_on_a_gpu(ex, checkpoint):
+    """The size worth a GPU (14M parameters, 256 tokens), one process under DDP: torch's own
+    count of the step's peak. CUDA's attention kernels keep a little more than the CPU's, and
+    the allocator rounds each block up, so the bound is 25 %."""
+    raise_if_untouched(ex.peak_bytes, ex.activation_bytes)
+    config = dict(vocab_size=65, block_size=256, n_layer=8, n_head=8, n_embd=384)
+    got = ex.peak_bytes(GPTConfig(**config), 8, world_size=1, stage=0, checkpoint=checkpoint)
+    want = run_on_ranks(cuda_peak_on_rank, config, 8, checkpoint, world_size=1,
+                        backend="nccl", device="cuda", timeout=240)[0]
+    assert abs(got / want - 1) <= 0.25, (
+        f"peak_bytes(the gpu size, 8 sequences, checkpoint={checkpoint}) = {got:,}; "
+        f"torch.cuda.max_memory_allocated says {want:,} ({got / want:.2f}x)")
+
+
+def cuda_peak_on_rank(ctx, config: dict, batch_size: int, checkpoint: bool) -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = model_of(GPTConfig(**config), checkpoint).to(ctx.device)
+    step_model = DDP(model, device_ids=[ctx.device.index], gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(config["vocab_size"], (batch_size, config["block_size"]),
+                        device=ctx.device)
+
+    for _ in range(2):
+        train_step(step_model, optimizer, ids, ids)
+    torch.cuda.synchronize(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    train_step(step_model, optimizer, ids, ids)
+    torch.cuda.synchronize(ctx.device)
+    return torch.cuda.max_memory_allocated(ctx.device)
+
