@@ -8,7 +8,7 @@ import pytest
 
 from harness.compare import full_fp32
 from harness.exercises import LESSONS_DIR, load_exercise
-from harness.launch import start_first, start_script
+from harness.launch import QUICK_SAMPLE, start_first, start_script
 from lesson02.common import LESSON
 
 
@@ -28,7 +28,8 @@ def no_tf32():
 # most of its time importing torch, and two cores do that for both at once.
 SCRIPT_RUNS = {
     # An epoch over the first 480 windows: 30 steps, enough for the loss to fall clearly.
-    "train.py": ["--epochs", "1", "--train-windows", "480", "--micro-batches", "2"],
+    "train.py": ["--epochs", "1", "--train-windows", "480", "--micro-batches", "2",
+                 *QUICK_SAMPLE],
     "pipeline_sweep.py": ["--width", "16", "--blocks", "4", "--batch-size", "30",
                           "--micro-batches", "1,2,4,64", "--steps", "2"],
 }

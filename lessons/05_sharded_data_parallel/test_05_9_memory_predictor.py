@@ -52,7 +52,8 @@ CLAUSES = {
             "test_peak_bytes_predicts_the_measured_peak",
             "test_peak_bytes_is_the_texts_sum_for_any_size"],
         "peak_bytes: a stage other than 0 or 3, world_size below 1, or an uneven split raises "
-        "ValueError": ["test_peak_bytes_refuses_what_it_does_not_predict"],
+        "ValueError (and what activation_bytes refuses)": [
+            "test_peak_bytes_refuses_what_it_does_not_predict"],
     },
 }
 
@@ -98,6 +99,7 @@ def activation_diagnosis(config: GPTConfig, batch_size: int, got: int, want: int
     difference = got - want
     C, H = config.n_embd, config.n_head
     blocks = config.n_layer
+    found = []
     for floats, what in (
             (C, "a block's C: the attention's output reshaped is a view, not a copy; the "
                 "three projections share one input"),
@@ -110,14 +112,16 @@ def activation_diagnosis(config: GPTConfig, batch_size: int, got: int, want: int
             (15 * C + H + 4, "a checkpointed block keeps its input (C floats per token), not "
                              "the 16C + H + 4 of a block that is not")):
         if difference in (floats * 4 * tokens * blocks, -floats * 4 * tokens * blocks):
-            return f"off by {floats} floats per token in each block: {what}"
+            found.append(f"{floats} floats per token in each block: {what}")
     if abs(difference) in (8 * config.block_size, 8 * (tokens - config.block_size)):
-        return ("off by the positions: one int64 per position, shared by the batch (not one "
-                "per token)")
+        found.append("the positions: one int64 per position, shared by the batch (not one per "
+                     "token)")
     if abs(difference) in (8 * tokens, 16 * tokens):
-        return "off by int64s per token: the token ids and the targets, 8 bytes each"
+        found.append("int64s per token: the token ids and the targets, 8 bytes each")
     if abs(difference) == 4 * tokens * config.vocab_size:
-        return "off by V floats per token: the log-softmax of the logits"
+        found.append("V floats per token: the log-softmax of the logits")
+    if found:  # several where sizes coincide (H = 4, one sequence): each is named
+        return "off by " + "; or by ".join(found)
     return f"off by {difference:+,} bytes ({difference / (4 * tokens):+.2f} floats per token)"
 
 
@@ -165,6 +169,81 @@ def test_activation_bytes_refuses_what_it_does_not_count(ex, batch_size, dropout
             f"raise ValueError, the count is for at least one sequence and dropout 0")
 
 
+def predict(ex, config: GPTConfig, batch_size: int, world: int, stage: int,
+            checkpoint: bool) -> int:
+    """``peak_bytes``, the defaults (one rank, DDP, no checkpointing) left out where they hold."""
+    arguments = {name: value for name, value, default in (
+        ("world_size", world, 1), ("stage", stage, 0), ("checkpoint", checkpoint, False))
+        if value != default}
+    return ex.peak_bytes(config, batch_size, **arguments)
+
+
+def peak_diagnosis(got, parts: dict, config: GPTConfig, share: int, world: int, stage: int,
+                   checkpoint: bool) -> str:
+    """Name the mistake where the answer is the text's sum with one part done another way."""
+    want = sum(parts.values())
+    whole_batch = kept_by_autograd(config, share * world, checkpoint)
+    psi = sum(p.numel() for p in GPT(config).parameters())
+    tokens = share * config.block_size
+    without_recompute = 4 * max(3 * tokens * config.vocab_size,
+                                parts["largest moment"] // 4 - tokens * (
+                                    16 * config.n_embd + config.n_head + 4 + config.vocab_size))
+    for other, why in (
+            (want - parts["activations"] + whole_batch,
+             "the activations of the whole batch: a rank's batch is batch_size // world_size"),
+            (want - parts["gathered"],
+             "nothing gathered: FSDP2 holds two blocks and the root gathered"),
+            (want - parts["state"] + 16 * psi,
+             "DDP's state: stage 3 shards it (memory_per_rank's total for the stage)"),
+            (want - parts["largest moment"] + without_recompute,
+             "no recomputed block: with checkpointing the backward recomputes one block whole")):
+        if got == other and other != want:
+            return f". It is the sum with {why}"
+    return " (Ψ and a block's parameters as GPT(config) has them, biases or not)"
+
+
+def texts_sum(config: GPTConfig, batch_size: int, world: int, stage: int,
+              checkpoint: bool) -> dict[str, int]:
+    """The oracle, written from the text: the parameters counted by torch, the activations by
+    its saved-tensors hook, the rest as the docstring adds it up."""
+    model = GPT(config)
+    psi = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    root = psi - config.n_layer * block
+    share = batch_size // world
+    tokens = share * config.block_size
+    C, H, V = config.n_embd, config.n_head, config.vocab_size
+    gradient = block if stage == 3 else max(4 * C * C, V * C)
+    moments = [3 * tokens * V, gradient]
+    if checkpoint:
+        moments.append(tokens * (16 * C + H + 4 + V) + gradient)
+    return {"state": 16 * (-(-psi // world) if stage == 3 else psi),
+            "activations": kept_by_autograd(config, share, checkpoint),
+            "largest moment": 4 * max(moments),
+            "gathered": 4 * (min(2, config.n_layer) * block + root) if stage == 3 else 0}
+
+
+@pytest.mark.task5_9
+@sweep(max_examples=30, heads=st.integers(1, 4), head_dim=st.integers(1, 8),
+       layers=st.integers(1, 3), length=st.integers(1, 16), share=st.integers(1, 3),
+       world=st.integers(1, 4), vocab=st.integers(2, 70), bias=st.booleans(),
+       stage=st.sampled_from([0, 3]), checkpoint=st.booleans())
+def test_peak_bytes_is_the_texts_sum_for_any_size(ex, heads, head_dim, layers, length, share,
+                                                  world, vocab, bias, stage, checkpoint):
+    """To the byte, for generated sizes: the measured test above shows the sum is the peak,
+    within its tolerance; this one that the sum is the one the text adds up."""
+    config = GPTConfig(vocab_size=vocab, block_size=length, n_layer=layers, n_head=heads,
+                       n_embd=heads * head_dim, bias=bias)
+    parts = texts_sum(config, share * world, world, stage, checkpoint)
+    got = predict(ex, config, share * world, world, stage, checkpoint)
+    want = sum(parts.values())
+    assert got == want, (
+        f"peak_bytes({config}, batch_size={share * world}, world_size={world}, stage={stage}, "
+        f"checkpoint={checkpoint}) = {got!r}; the text's sum is {want:,}: "
+        + ", ".join(f"{name} {value:,}" for name, value in parts.items())
+        + peak_diagnosis(got, parts, config, share, world, stage, checkpoint))
+
+
 # What each configuration's peak is made of: the activations (ACTIVATIONS), the state
 # (STATE: wide and short) or the loss over a large vocabulary (LOSS); the last has no biases.
 ACTIVATIONS = dict(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=32)
@@ -179,8 +258,9 @@ CASES = {  # world size -> (configuration, sequences in all)
 
 
 def train_step(step_model, optimizer, ids, targets) -> None:
-    """One step as the lesson's scripts take it; the gradients are zeroed, not freed, so the
-    state is held throughout. The logits stay alive through the backward, as a caller's do."""
+    """One step whose gradients are zeroed, not freed (the lesson's scripts free them with
+    zero_grad's default), so that the rank holds its whole state throughout, as peak_bytes
+    assumes. The logits stay alive through the backward, as a caller's do."""
     optimizer.zero_grad(set_to_none=False)
     _logits, loss = step_model(ids, targets)
     loss.backward()
@@ -227,15 +307,6 @@ def peaks_on_rank(ctx, cases: list) -> list[int]:
     return peaks
 
 
-def predict(ex, config: GPTConfig, batch_size: int, world: int, stage: int,
-            checkpoint: bool) -> int:
-    """``peak_bytes``, the defaults (one rank, DDP, no checkpointing) left out where they hold."""
-    arguments = {name: value for name, value, default in (
-        ("world_size", world, 1), ("stage", stage, 0), ("checkpoint", checkpoint, False))
-        if value != default}
-    return ex.peak_bytes(config, batch_size, **arguments)
-
-
 @pytest.mark.task5_9
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_peak_bytes_predicts_the_measured_peak(ex, world):
@@ -262,60 +333,21 @@ def test_peak_bytes_predicts_the_measured_peak(ex, world):
         "recomputes one block whole; FSDP2 holds two blocks and the root gathered)")
 
 
-def texts_sum(config: GPTConfig, batch_size: int, world: int, stage: int,
-              checkpoint: bool) -> dict[str, int]:
-    """The oracle, written from the text: the parameters counted by torch, the activations by
-    its saved-tensors hook, the rest as the docstring adds it up."""
-    model = GPT(config)
-    psi = sum(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    root = psi - config.n_layer * block
-    share = batch_size // world
-    tokens = share * config.block_size
-    C, H, V = config.n_embd, config.n_head, config.vocab_size
-    gradient = block if stage == 3 else max(4 * C * C, V * C)
-    moments = [3 * tokens * V, gradient]
-    if checkpoint:
-        moments.append(tokens * (16 * C + H + 4 + V) + gradient)
-    return {"state": 16 * (-(-psi // world) if stage == 3 else psi),
-            "activations": kept_by_autograd(config, share, checkpoint),
-            "largest moment": 4 * max(moments),
-            "gathered": 4 * (min(2, config.n_layer) * block + root) if stage == 3 else 0}
-
-
 @pytest.mark.task5_9
-@sweep(max_examples=30, heads=st.integers(1, 4), head_dim=st.integers(1, 8),
-       layers=st.integers(1, 3), length=st.integers(1, 16), share=st.integers(1, 3),
-       world=st.integers(1, 4), vocab=st.integers(2, 70), bias=st.booleans(),
-       stage=st.sampled_from([0, 3]), checkpoint=st.booleans())
-def test_peak_bytes_is_the_texts_sum_for_any_size(ex, heads, head_dim, layers, length, share,
-                                                  world, vocab, bias, stage, checkpoint):
-    """To the byte, for generated sizes: the measured test above shows the sum is the peak,
-    within its tolerance; this one that the sum is the one the text adds up."""
-    config = GPTConfig(vocab_size=vocab, block_size=length, n_layer=layers, n_head=heads,
-                       n_embd=heads * head_dim, bias=bias)
-    parts = texts_sum(config, share * world, world, stage, checkpoint)
-    got = predict(ex, config, share * world, world, stage, checkpoint)
-    want = sum(parts.values())
-    assert got == want, (
-        f"peak_bytes({config}, batch_size={share * world}, world_size={world}, stage={stage}, "
-        f"checkpoint={checkpoint}) = {got!r}; the text's sum is {want:,}: "
-        + ", ".join(f"{name} {value:,}" for name, value in parts.items())
-        + " (Ψ and a block's parameters as GPT(config) has them, biases or not)")
-
-
-@pytest.mark.task5_9
-@pytest.mark.parametrize("arguments", [dict(stage=1), dict(stage=2), dict(stage=4),
-                                       dict(world_size=0), dict(world_size=3)],
-                         ids=["stage1", "stage2", "stage4", "no-rank", "uneven"])
+@pytest.mark.parametrize("arguments", [
+    dict(stage=1), dict(stage=2), dict(stage=4), dict(world_size=0), dict(world_size=-2),
+    dict(world_size=3), dict(world_size=1, batch_size=0), dict(dropout=0.1)],
+    ids=["stage1", "stage2", "stage4", "no-rank", "negative-ranks", "uneven", "no-sequence",
+         "dropout"])
 def test_peak_bytes_refuses_what_it_does_not_predict(ex, arguments):
-    config = GPTConfig(**ACTIVATIONS)
+    arguments = {"world_size": 2, "stage": 0, "batch_size": 16, "dropout": 0.0, **arguments}
+    config = GPTConfig(**ACTIVATIONS, dropout=arguments.pop("dropout"))
     with pytest.raises(ValueError):
-        got = ex.peak_bytes(config, 16, **{"world_size": 2, "stage": 0, **arguments})
+        got = ex.peak_bytes(config, **arguments)
         raise AssertionError(
-            f"peak_bytes(16 sequences, {arguments}) returned {got!r}: raise ValueError; it "
-            f"predicts DDP (stage 0) and FSDP2 (stage 3), over ranks that split the batch "
-            f"evenly")
+            f"peak_bytes({arguments}, dropout={config.dropout}) returned {got!r}: raise "
+            f"ValueError; it predicts DDP (stage 0) and FSDP2 (stage 3), over at least one rank "
+            f"that splits at least one sequence evenly, with dropout 0")
 
 
 @needs_gpus(1, "the peak on a GPU, torch.cuda.max_memory_allocated")

@@ -33,7 +33,7 @@ from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_exercise, load_lesson_module
 from harness.hardware import needs_gpus
-from harness.launch import one_process_fit, run_script
+from harness.launch import QUICK_SAMPLE_LENGTH, one_process_fit, run_script
 from harness.memory import held_bytes
 from harness.ranks import run_on_ranks
 from lesson05.common import (
@@ -438,7 +438,7 @@ def fit_on_ranks(ctx, reshard_after_forward: bool):
     train = load_lesson_module(LESSON, "train_fsdp")
     whole, result = train.fit(ctx.device, epochs=1, batch_size=4, train_windows=32,
                               reshard_after_forward=reshard_after_forward,
-                              log=lambda *args, **kwargs: None)
+                              sample_length=QUICK_SAMPLE_LENGTH, log=lambda *args, **kwargs: None)
     return {"whole_keys": len(whole), "result": result}
 
 

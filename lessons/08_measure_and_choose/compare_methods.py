@@ -46,6 +46,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.nn  # noqa: E402, F401 - before any group exists (see bench_collectives.setup)
 import torch.nn.functional as F  # noqa: E402
 from gpt import GPT, GPTConfig, GPTStage  # noqa: E402
+from gpt.run import positive_int  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from harness.memory import AllocationPeak  # noqa: E402
@@ -414,8 +415,10 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, in all")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--steps", type=positive_int, default=6)
+    parser.add_argument("--warmup", type=positive_int, default=2,
+                        help="untimed steps first (at least 1: DDP rebuilds its buckets in its "
+                             "second step, which the step whose bytes are counted must follow)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--plot", type=Path)

@@ -32,7 +32,7 @@ from gpt import GPT, GPTConfig
 from harness.compare import assert_close
 from harness.exercises import load_lesson_module
 from harness.hardware import needs_gpus
-from harness.launch import one_process_fit, run_script
+from harness.launch import QUICK_SAMPLE_LENGTH, one_process_fit, run_script
 from harness.ranks import run_on_ranks
 from lesson08.common import (
     BENCH,
@@ -273,7 +273,8 @@ def amp_fit(ctx, checkpoint: str) -> dict:
     manifest's smallest run launches the script itself): 2 x 8, fp16, bf16 gradients."""
     script = load_lesson_module(LESSON, "train_amp")
     model, result = script.fit(ctx.device, epochs=1, batch_size=8, train_windows=64,
-                               fp16=True, comm_hook="bf16", log=lambda *a, **k: None)
+                               fp16=True, comm_hook="bf16", sample_length=QUICK_SAMPLE_LENGTH,
+                               log=lambda *a, **k: None)
     if ctx.rank == 0:
         script.run.save_checkpoint({"model": model.state_dict(), "scaler": result["scaler"]},
                                Path(checkpoint), log=lambda *a, **k: None)

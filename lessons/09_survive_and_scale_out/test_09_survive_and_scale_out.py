@@ -40,7 +40,7 @@ from gpt import GPT, CharDataset, GPTConfig, parameter_digest
 from harness.compare import assert_parameters_close
 from harness.exercises import REPO_ROOT, load_lesson_module
 from harness.hardware import needs_gpus
-from harness.launch import QUICK_SAMPLE, path_with, start_nodes, start_script
+from harness.launch import QUICK_SAMPLE, QUICK_SAMPLE_LENGTH, path_with, start_nodes, start_script
 from harness.ranks import run_on_ranks
 from lesson09.common import (
     BAD_ENVIRONMENTS,
@@ -91,7 +91,7 @@ def test_slurm_args_py_follows_the_same_table(outside_launcher, capsys):
 def script_fit_on_rank(ctx, name: str, folder: str | None, **options) -> dict:
     script = load_lesson_module(LESSON, name)
     quiet = dict(epochs=2, batch_size=8, train_windows=32, dropout=0.1,
-                 log=lambda *args, **kwargs: None)
+                 sample_length=QUICK_SAMPLE_LENGTH, log=lambda *args, **kwargs: None)
     model, result = script.fit(ctx.device, checkpoint_dir=folder and Path(folder),
                                **{**quiet, **options})
     return {"digest": parameter_digest(model), "train_loss": result["train_loss"]}

@@ -37,6 +37,7 @@ from gpt import GPT, CharDataset, GPTConfig, run
 from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close
 from harness.exercises import load_lesson_module
+from harness.launch import QUICK_SAMPLE_LENGTH
 from harness.ranks import run_on_ranks
 from lesson11.common import GROUPS, LESSON, TIGHT, loop_route, seeded
 
@@ -315,6 +316,7 @@ def ep_fit_on_rank(ctx, batch_size: int) -> dict:
     whole, result = train_ep_module().fit(ctx.device, epochs=1, batch_size=batch_size,
                                           train_windows=64, ep=ctx.world_size,
                                           capacity_factor=None, aux_weight=0.0,
+                                          sample_length=QUICK_SAMPLE_LENGTH,
                                           log=lambda *args, **kwargs: None)
     return {"state": whole, "result": result}
 

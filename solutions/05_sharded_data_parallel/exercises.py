@@ -517,12 +517,13 @@ def activation_bytes(config, batch_size: int, checkpoint: bool = False) -> int:
 
     Count each storage once (the three projections share one input; a view saves no new bytes).
     Per token, writing C = ``n_embd`` and H = ``n_head``, a block keeps 16C + H + 4 floats (the
-    README's table, "What a block keeps", names each); a block checkpointed (``checkpoint=True``
-    checkpoints every block, as ``checkpoint_blocks(model, every=1)`` does) keeps only its
-    input, C floats. Outside the blocks the forward keeps the token ids and the targets (int64,
-    8 bytes each), the positions (int64, one per position: the batch shares them), the final
-    norm's input, mean, reciprocal standard deviation and output (2C + 2 floats per token), the
-    log-softmax of the logits (V = ``vocab_size`` floats per token) and one float for the loss.
+    README's table under "What a forward keeps" names each); a block checkpointed
+    (``checkpoint=True`` checkpoints every block, as ``checkpoint_blocks(model, every=1)`` does)
+    keeps only its input, C floats. Outside the blocks the forward keeps the token ids and the
+    targets (int64, 8 bytes each), the positions (int64, one per position: the batch shares
+    them), the final norm's input, mean, reciprocal standard deviation and output (2C + 2 floats
+    per token), the log-softmax of the logits (V = ``vocab_size`` floats per token) and one
+    float (the loss's total weight).
 
     A ``batch_size`` below 1, or a ``config`` with dropout, raises ``ValueError`` (dropout keeps
     masks this count leaves out).
@@ -572,11 +573,12 @@ def peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 0,
     A ``stage`` other than 0 or 3, ``world_size`` below 1, or a ``batch_size`` that does not
     split evenly over the ranks raises ``ValueError`` (as ``activation_bytes`` does for the rest).
 
-    The test trains the model on 1, 2 and 4 gloo ranks, DDP and FSDP2, with and without
-    checkpointing, on configurations where activations, the state or the loss dominate, and
-    measures each rank's peak (``harness.memory``): your prediction must be within 15 % of it
-    (the reference's is within 5 %, 10 % in the runs where a reduce-scatter's buffers are freed
-    late).
+    The test checks your sum, to the byte, against the one above for generated sizes (the
+    parameters counted by torch, the activations by its saved-tensors hook); then trains the
+    model on 1, 2 and 4 gloo ranks, DDP and FSDP2, with and without checkpointing, on
+    configurations where activations, the state or the loss dominate, and measures each rank's
+    peak (``harness.memory``): the sum must be within 15 % of it (the reference's is within 5 %,
+    10 % in the runs where a reduce-scatter's buffers are freed late).
     """
     if stage not in (0, 3):
         raise ValueError(f"stage must be 0 (DDP) or 3 (FSDP2), not {stage!r}")

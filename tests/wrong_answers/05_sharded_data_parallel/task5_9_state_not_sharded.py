@@ -1,6 +1,6 @@
 """Takes every rank's state as DDP's, whatever the stage: FSDP2's sharding forgotten."""
 
 TASK = "task5_9"
-EXPECT = r"FSDP2.*predicted"
+EXPECT = r"DDP.s state: stage 3 shards it"
 REPLACE = {"peak_bytes": [("state = memory_per_rank(psi, world_size, stage)[\"total\"]",
                            "state = 16 * psi")]}
