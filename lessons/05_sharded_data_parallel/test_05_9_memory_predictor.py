@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt import GPT, GPTConfig
+from gpt import GPT, GPTConfig, run
 
 from harness.exercises import raise_if_untouched
 from harness.hardware import needs_gpus
@@ -274,9 +274,6 @@ def peaks_on_rank(ctx, cases: list) -> list[int]:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    def local(tensor):
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
     peaks = []
     for config, batch_size, stage, checkpoint in cases:
         config = GPTConfig(**config)
@@ -295,8 +292,8 @@ def peaks_on_rank(ctx, cases: list) -> list[int]:
 
         for _ in range(2):  # AdamW's moments exist, and DDP has rebuilt its buckets
             train_step(step_model, optimizer, ids, targets)
-        kept = [local(t) for p in model.parameters() for t in (p, p.grad)]
-        kept += [local(t) for s in optimizer.state.values() for t in s.values()
+        kept = [run.local_part(t) for p in model.parameters() for t in (p, p.grad)]
+        kept += [run.local_part(t) for s in optimizer.state.values() for t in s.values()
                  if torch.is_tensor(t)]
         state = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                      for t in kept}.values())

@@ -46,7 +46,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.nn  # noqa: E402, F401 - before any group exists (see bench_collectives.setup)
 import torch.nn.functional as F  # noqa: E402
 from gpt import GPT, GPTConfig, GPTStage  # noqa: E402
-from gpt.run import positive_int  # noqa: E402
+from gpt.run import local_part, positive_int  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from harness.memory import AllocationPeak  # noqa: E402
@@ -97,16 +97,12 @@ class CommBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def state_tensors(module: torch.nn.Module, optimizer) -> list[torch.Tensor]:
     """This rank's parameters, their gradients and the optimizer's state tensors (AdamW's step
     counts among them), a DTensor by its local piece: what a rank keeps from step to step."""
-    tensors = [local(p) for p in module.parameters()]
-    tensors += [local(p.grad) for p in module.parameters() if p.grad is not None]
-    tensors += [local(v) for s in optimizer.state.values() for v in s.values()
+    tensors = [local_part(p) for p in module.parameters()]
+    tensors += [local_part(p.grad) for p in module.parameters() if p.grad is not None]
+    tensors += [local_part(v) for s in optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor)]
     return tensors
 
@@ -312,7 +308,7 @@ def worker(args) -> None:
         kept = state_tensors(module, optimizer)
         with AllocationPeak(ignore=kept) as peak, CommBytes() as counter:  # beyond the state
             step()
-        own_params = sum(local(p).numel() for p in module.parameters())
+        own_params = sum(local_part(p).numel() for p in module.parameters())
         rows[method] = {
             "method": method, "rank": rank, "ranks": 1 if alone else world, "device": str(device),
             "samples_per_s": args.batch_size / seconds, "step_ms": seconds * 1e3,
