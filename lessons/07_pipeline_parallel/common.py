@@ -8,6 +8,7 @@ The reference is one process on the whole batch, with SGD: a gradient m times to
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.distributed.pipelining  # noqa: F401 - imported here once, so that forked ranks have it
@@ -22,6 +23,9 @@ from harness.ranks import group_params
 LESSON = "07_pipeline_parallel"
 SCRIPT = f"lessons/{LESSON}/train_pp.py"
 TRAIN = ("--epochs", "1", "--train-windows", "64", *QUICK_SAMPLE)  # 1 epoch, 64 windows
+# balance_stages.py's smallest run: 4 blocks, 16 wide, a vocabulary of 256, 2 micro-batches
+BALANCE = ("--blocks", "4", "--width", "16", "--vocab-size", "256", "--context", "16",
+           "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "1", "--repeats", "1")
 # 4 blocks: 2 stages of 2 blocks, or 4 of 1. Biases on: SGD steps on them as on the rest.
 CONFIG = dict(vocab_size=29, block_size=8, n_layer=4, n_head=2, n_embd=16, bias=True)
 BATCH = 8  # sequences per step: 1, 2, 4 or 8 micro-batches
@@ -176,3 +180,17 @@ def torch_orders(schedule: str, max_ranks: int, max_chunks: int,
         finally:
             dist.destroy_process_group()
     return orders
+
+
+# Cuts of layers into stages, by brute force: task7_8's oracle and balance_stages.py's.
+def stage_times(seconds: list[float], counts: list[int]) -> list[float]:
+    starts = [0, *itertools.accumulate(counts)]
+    return [sum(seconds[a:b]) for a, b in itertools.pairwise(starts)]
+
+
+def every_cut(seconds: list[float], stages: int):
+    """(slowest stage's time, counts) of every cut, in itertools.combinations order."""
+    n = len(seconds)
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        counts = [b - a for a, b in itertools.pairwise((0, *cuts, n))]
+        yield max(stage_times(seconds, counts)), counts

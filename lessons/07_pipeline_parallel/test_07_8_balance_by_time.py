@@ -7,13 +7,13 @@ stage.
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import pytest
 
 from harness.exercises import raise_if_untouched
 from harness.sweep import st, sweep
+from lesson07.common import every_cut, stage_times
 from lesson07.simulator import reference_schedule, simulate
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is
@@ -35,19 +35,6 @@ CLAUSES = {
         "fewer than 1 stage raise ValueError": ["test_balance_by_time_refuses_what_cannot_be_cut"],
     },
 }
-
-
-def stage_times(seconds: list[float], counts: list[int]) -> list[float]:
-    starts = [0, *itertools.accumulate(counts)]
-    return [sum(seconds[a:b]) for a, b in itertools.pairwise(starts)]
-
-
-def every_cut(seconds: list[float], stages: int):
-    """(slowest stage's time, counts) of every cut, in itertools.combinations order."""
-    n = len(seconds)
-    for cuts in itertools.combinations(range(1, n), stages - 1):
-        counts = [b - a for a, b in itertools.pairwise((0, *cuts, n))]
-        yield max(stage_times(seconds, counts)), counts
 
 
 # Halves, so that every sum is exact and ties are real ties.

@@ -14,20 +14,23 @@ The reference is one process on the whole batch, with SGD: a gradient m times to
 
 Each task's tests are in its own file (``test_07_1_schedules.py`` ... ``test_07_4_*``), with
 what they share in ``common.py`` and ``conftest.py``; this file holds the lesson's own checks:
-the script, trained under torchrun, and its refusals.
+the scripts under torchrun (train_pp.py trains, balance_stages.py times layers and cuts on them),
+and their refusals.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gpt import GPT, GPTConfig, GPTStage
 
 from harness.compare import assert_close
 from harness.exercises import load_lesson_module
 from harness.hardware import needs_gpus
 from harness.launch import one_process_fit, run_script
 from harness.ranks import run_on_ranks
-from lesson07.common import LESSON, SCRIPT, TRAIN
+from harness.sweep import st, sweep
+from lesson07.common import BALANCE, LESSON, SCRIPT, TRAIN, every_cut, stage_times
 
 
 def test_micro_batches_must_be_equal(ex):
@@ -105,3 +108,76 @@ def test_script_refuses_compile(train_script, capsys):
     assert train_script.main(["--compile"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train_pp.py: error: --compile"), err
+
+
+# balance_stages.py times each layer, cuts the blocks by parameters and by time with a search
+# that does not try every cut, and runs the pipeline on each cut. What it computes from its
+# measurements is checked here; how fast each cut ran is the machine's, printed, not asserted.
+@pytest.fixture
+def balance_script():
+    return load_lesson_module(LESSON, "balance_stages")
+
+
+# Whole numbers (parameter counts, ties frequent, zeros included) and measured-looking seconds.
+COSTS = st.one_of(st.lists(st.integers(0, 20), min_size=1, max_size=9),
+                  st.lists(st.floats(1e-5, 1e-2), min_size=1, max_size=9))
+
+
+@sweep(costs=COSTS, data=st.data(), max_examples=200)
+def test_the_scripts_search_finds_the_cut_trying_every_cut_finds(balance_script, costs, data):
+    """fastest_cut is task 7_3's and 7_8's rule (the first cut, in combinations order, whose
+    costliest stage costs least) without trying every cut."""
+    stages = data.draw(st.integers(1, len(costs)), label="stages")
+    best, counts = min(every_cut(costs, stages), key=lambda cut: cut[0])  # the first of the best
+    got = balance_script.fastest_cut(list(costs), stages)
+    assert got == counts, (
+        f"fastest_cut({costs}, {stages}) = {got}, stages costing "
+        f"{stage_times(costs, got)}; every cut tried finds {counts}, costing "
+        f"{stage_times(costs, counts)}")
+
+
+def test_the_scripts_search_refuses_what_cannot_be_cut(balance_script):
+    for costs, stages in (([1.0, 2.0], 3), ([1.0], 0)):
+        with pytest.raises(ValueError, match=rf"{len(costs)} layers cannot be cut into {stages}"):
+            balance_script.fastest_cut(costs, stages)
+
+
+@pytest.mark.slow
+def test_balance_stages_cuts_on_what_it_measured(balance_run):
+    run = balance_run.result()
+    data = run.data
+    assert (data["world_size"], data["micro_batches"]) == (2, 2), data
+    arg = dict(zip(BALANCE[::2], BALANCE[1::2], strict=True))
+    model = GPT(GPTConfig(vocab_size=int(arg["--vocab-size"]), block_size=int(arg["--context"]),
+                          n_layer=int(arg["--blocks"]), n_head=4, n_embd=int(arg["--width"])))
+    blocks = model.config.n_layer
+    # torch's count of each one-layer stage: its block, the embeddings first, the head last
+    assert data["layer_parameters"] == [
+        sum(p.numel() for p in GPTStage(model, i, i + 1).parameters()) for i in range(blocks)]
+    layer_s = data["layer_s"]
+    assert len(layer_s) == blocks and all(s > 0 for s in layer_s), layer_s
+    rows = {tuple(row["blocks"]): row for row in data["rows"]}
+    assert set(rows) == {(k, blocks - k) for k in range(1, blocks)}, (
+        f"on 2 ranks every cut runs: {sorted(rows)}")
+    named = {name: cut for cut, row in rows.items() for name in row["names"]}
+    assert named == {
+        "equal blocks": (blocks // 2, blocks // 2),
+        "by parameters": tuple(min(every_cut(data["layer_parameters"], 2),
+                                   key=lambda cut: cut[0])[1]),
+        "by time": tuple(min(every_cut(layer_s, 2), key=lambda cut: cut[0])[1])}, rows
+    m = data["micro_batches"]
+    for cut, row in rows.items():
+        stages = stage_times(layer_s, list(cut))
+        assert row["stage_s"] == pytest.approx(stages), row
+        assert row["predicted_step_s"] == pytest.approx(sum(stages) + (m - 1) * max(stages)), row
+        assert row["step_s"] > 0, row
+    printed = [line for line in run.rank_lines(0) if line.startswith(("1 3", "2 2", "3 1"))]
+    assert len(printed) == 3 and "equal blocks" in printed[1], run.output
+
+
+def test_balance_stages_refuses_more_stages_than_blocks(balance_script, outside_launcher,
+                                                        monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert balance_script.main(["--blocks", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "8 stages cannot share 4 blocks" in err[0], err

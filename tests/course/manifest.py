@@ -126,7 +126,11 @@ COURSE: tuple[Lesson, ...] = (
            # 75 changed: the stage cut, the schedule, the weights shared back for evaluation and
            # the stages' busy clock are all this lesson's, and none fits into lesson 03's lines.
            (Script("train_pp.py", "torchrun", 2, (*QUICK, "--micro-batches", "2"),
-                   builds_on="03_ddp/train_ddp.py", max_changed=75),),
+                   builds_on="03_ddp/train_ddp.py", max_changed=75),
+            Script("balance_stages.py", "torchrun", 2,
+                   ("--blocks", "4", "--width", "16", "--vocab-size", "256", "--context", "16",
+                    "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "1",
+                    "--repeats", "1"))),
            modules=("simulator.py",)),  # schedules on paper, for the tests and the walkthrough
     Lesson("08_measure_and_choose", "Measure and choose",
            {"task8_1": "bus_bandwidth, fit_alpha_beta",

@@ -1,0 +1,238 @@
+"""Balancing a pipeline by time: time each layer, cut on the times, and watch the step follow
+the slowest stage.
+
+    torchrun --standalone --nproc-per-node=2 lessons/07_pipeline_parallel/balance_stages.py
+
+The running example with a large vocabulary (4,096 tokens, 64 wide: its embedding and its head
+each hold as many parameters as 6 blocks), so that parameters and compute disagree. Every rank
+times each layer's forward and backward on one micro-batch (layer i is block i, the embeddings
+counted in the first layer, the final norm, the head and the loss in the last), and the ranks
+average their times, so that all of them choose the same cuts. Then the same GPipe pipeline, one
+stage per rank, runs on these cuts of the blocks:
+
+- equal blocks per stage (``train_pp.py``'s);
+- balanced by parameters (task 7_3's rule: what each stage must hold);
+- balanced by time (task 7_8's rule, on the times just measured);
+- on 2 ranks, every other cut as well, to see the whole curve.
+
+For each it prints the stages' times from the layers' times, the step GPipe would take with them,
+T_0 + ... + T_(p-1) + (m - 1) * max T_s (each T_s per micro-batch), and the step the pipeline
+took (the slowest rank's, median over ``--steps``; the cuts take turns, a step each).
+
+With ``--backend nccl`` (one GPU per rank) the same runs on GPUs. One thread per rank on the CPU:
+more ranks than cores would time each other's work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from gpt import GPT, GPTConfig, GPTStage, run  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe  # noqa: E402
+
+
+def fastest_cut(costs: list[float], num_stages: int) -> list[int]:
+    """How many consecutive layers each stage gets so that the costliest stage costs least,
+    ties to the fewest layers in the first stage, then the second...: task 7_3's and task 7_8's
+    rule, without trying every cut (C(79, 7) for 80 layers in 8 stages). A stage's cost is the
+    sum of its layers'. The costliest stage of the best cut costs the sum of some run of layers:
+    try those sums, smallest first, until ``num_stages`` stages of at most that cost cover every
+    layer (filling each stage greedily needs the fewest). Then give each stage the fewest layers
+    that leave the rest coverable by the stages left."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"{n} layers cannot be cut into {num_stages} stages of at least one "
+                         f"layer each")
+
+    def stages_needed(start: int, limit: float) -> float:  # for layers start..n-1, greedily
+        needed, total = 0, None
+        for cost in costs[start:]:
+            if cost > limit:
+                return float("inf")
+            if total is None or total + cost > limit:  # a new stage, from this layer
+                needed, total = needed + 1, 0
+            total += cost
+        return needed
+
+    limit = next(t for t in sorted({sum(costs[a:b]) for a in range(n) for b in range(a + 1, n + 1)})
+                 if stages_needed(0, t) <= num_stages)
+    counts, start = [], 0
+    for left in range(num_stages - 1, 0, -1):  # the stages after this one
+        take = 1  # (it stops at the latest where the rest has a layer per stage left)
+        while stages_needed(start + take, limit) > left:
+            take += 1  # the rest needs more stages than are left: this one takes another layer
+        counts.append(take)
+        start += take
+    return counts + [n - start]
+
+
+def layer_parameters(model: GPT) -> list[int]:
+    """Each layer's parameters: block i's, the embeddings in the first, the head in the last."""
+    count = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    count[0] += sum(p.numel() for m in (model.tok_emb, model.pos_emb) for p in m.parameters())
+    count[-1] += sum(p.numel() for m in (model.ln_f, model.lm_head) for p in m.parameters())
+    return count
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().mT, targets)
+
+
+def layer_seconds(model: GPT, ids, targets, repeats: int, device) -> list[float]:
+    """The median forward and backward time of each layer alone, on a micro-batch ``ids``."""
+    config, seconds = model.config, []
+    generator = torch.Generator().manual_seed(1)
+    activations = torch.randn(*ids.shape, config.n_embd, generator=generator).to(device)
+    for i in range(config.n_layer):
+        layer = GPTStage(model, i, i + 1)
+        times = []
+        for repeat in range(repeats + 2):  # 2 untimed: the first calls allocate and warm caches
+            # what the pipeline's stage receives: ids on the first, activations (whose gradient
+            # it sends back) on the others
+            x = ids if i == 0 else activations.detach().requires_grad_()
+            with run.timed(device) as timer:
+                out = layer(x)
+                if layer.last:
+                    loss_fn(out, targets).backward()
+                else:
+                    out.backward(torch.ones_like(out))
+            if repeat >= 2:
+                times.append(timer.seconds)
+        layer.zero_grad(set_to_none=True)
+        seconds.append(statistics.median(times))
+    return seconds
+
+
+def gpipe_step(stage_seconds: list[float], micro_batches: int) -> float:
+    """GPipe's step with these per-micro-batch stage times (each stage's backward the same
+    multiple of its forward): the first micro-batch crosses every stage, the rest follow at
+    the slowest's pace."""
+    return sum(stage_seconds) + (micro_batches - 1) * max(stage_seconds)
+
+
+class Pipeline:
+    """GPipe over one cut of the model (a copy of its own): this rank's stage, and the slowest
+    rank's time of each timed step."""
+
+    def __init__(self, config: GPTConfig, counts: list[int], micro_batches: int, rank: int,
+                 device):
+        start = sum(counts[:rank])
+        self.stage = GPTStage(GPT(config, seed=0).to(device), start, start + counts[rank])
+        self.schedule = ScheduleGPipe(PipelineStage(self.stage, rank, len(counts), device),
+                                      micro_batches, loss_fn=loss_fn)
+        self.first, self.last, self.device = rank == 0, rank == len(counts) - 1, device
+        self.steps: list[float] = []
+
+    def step(self, inputs, targets, timed: bool) -> None:
+        dist.barrier()  # every stage starts the step together
+        began = time.perf_counter()
+        self.schedule.step(*((inputs,) if self.first else ()),
+                           **({"target": targets} if self.last else {}))
+        run.sync(self.device)
+        seconds = torch.tensor(time.perf_counter() - began)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the step ends when its last rank does
+        self.stage.zero_grad(set_to_none=True)
+        if timed:  # not the first steps, which exchange the shapes and warm the caches
+            self.steps.append(seconds.item())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=run.positive_int, default=8)
+    parser.add_argument("--width", type=run.positive_int, default=64)
+    parser.add_argument("--vocab-size", type=run.positive_int, default=2048)
+    parser.add_argument("--context", type=run.positive_int, default=64)
+    parser.add_argument("--micro-batch-size", type=run.positive_int, default=16,
+                        help="sequences per micro-batch")
+    parser.add_argument("--micro-batches", type=run.positive_int, default=8)
+    parser.add_argument("--steps", type=run.positive_int, default=3, help="timed steps per cut")
+    parser.add_argument("--repeats", type=run.positive_int, default=10,
+                        help="timed forward and backward passes per layer")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--result", type=Path, help="write the numbers as JSON to this path")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        stages = int(os.environ.get("WORLD_SIZE", 1))  # one per rank
+        if stages > args.blocks:
+            raise ValueError(f"{stages} stages cannot share {args.blocks} blocks (at least one "
+                             f"each); pass --blocks {stages} or more")
+        if args.width % 4:
+            raise ValueError(f"--width {args.width} must split into 4 heads")
+        rank, world, device = run.setup(args.backend, __file__)
+    except ValueError as err:  # a partial launcher environment, nccl without a GPU per rank
+        return run.refuse(__file__, err)
+    torch.set_num_threads(1)  # a core per rank
+    config = GPTConfig(vocab_size=args.vocab_size, block_size=args.context, n_layer=args.blocks,
+                       n_head=4, n_embd=args.width)
+    model = GPT(config, seed=0).to(device)
+    generator = torch.Generator().manual_seed(0)
+    batch = args.micro_batch_size * args.micro_batches
+    inputs, targets = (torch.randint(0, args.vocab_size, (batch, args.context),
+                                     generator=generator).to(device) for _ in range(2))
+
+    # Every rank times every layer at once, as they will run; the mean is what all cut on.
+    seconds = torch.tensor(layer_seconds(model, inputs[:args.micro_batch_size],
+                                         targets[:args.micro_batch_size], args.repeats, device))
+    dist.all_reduce(seconds)
+    seconds = (seconds / world).tolist()
+    parameters = layer_parameters(model)
+    named = {"equal blocks": tuple(args.blocks // world + (s < args.blocks % world)
+                                   for s in range(world)),
+             "by parameters": tuple(fastest_cut(parameters, world)),
+             "by time": tuple(fastest_cut(seconds, world))}
+    cuts = sorted({*named.values(), *(((k, args.blocks - k) for k in range(1, args.blocks))
+                                      if world == 2 else ())})
+    pipelines = [Pipeline(config, counts, args.micro_batches, rank, device) for counts in cuts]
+    # The cuts take turns, a step each, so that the machine's other work slows all of them alike.
+    for step in range(args.steps + 2):
+        for pipeline in pipelines:
+            pipeline.step(inputs, targets, timed=step >= 2)
+    rows = []
+    for counts, pipeline in zip(cuts, pipelines, strict=True):
+        bounds = [sum(counts[:s]) for s in range(world + 1)]
+        stage_s = [sum(seconds[a:b]) for a, b in itertools.pairwise(bounds)]
+        rows.append({"blocks": list(counts), "names": [n for n, c in named.items() if c == counts],
+                     "stage_s": stage_s,
+                     "predicted_step_s": gpipe_step(stage_s, args.micro_batches),
+                     "step_s": statistics.median(pipeline.steps)})
+
+    if rank == 0:
+        print(f"{args.blocks} blocks x {args.width} wide, vocabulary {args.vocab_size}, context "
+              f"{args.context}; GPipe on {world} ranks ({device.type}), {args.micro_batches} "
+              f"micro-batches of {args.micro_batch_size} sequences")
+        print("layer  parameters  forward + backward of a micro-batch")
+        for i, (count, s) in enumerate(zip(parameters, seconds, strict=True)):
+            note = ("  embeddings, block 0" if i == 0 else
+                    f"  block {i}, norm, head, loss" if i == args.blocks - 1 else f"  block {i}")
+            print(f"{i:5d}  {count:10,d}  {s * 1e3:7.2f} ms{note}")
+        print("blocks per stage  stages' times (ms)  predicted step  measured step")
+        for row in rows:
+            stages = " ".join(f"{s * 1e3:.1f}" for s in row["stage_s"])
+            print(f"{' '.join(map(str, row['blocks'])):16s}  {stages:18s}  "
+                  f"{row['predicted_step_s'] * 1e3:11.1f} ms  {row['step_s'] * 1e3:10.1f} ms  "
+                  + ", ".join(row["names"]))
+        if args.result:
+            args.result.write_text(json.dumps({
+                "world_size": world, "micro_batches": args.micro_batches,
+                "layer_parameters": parameters, "layer_s": seconds, "rows": rows}))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
