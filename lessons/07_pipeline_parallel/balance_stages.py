@@ -3,8 +3,8 @@ the slowest stage.
 
     torchrun --standalone --nproc-per-node=2 lessons/07_pipeline_parallel/balance_stages.py
 
-The running example with a large vocabulary (4,096 tokens, 64 wide: its embedding and its head
-each hold as many parameters as 6 blocks), so that parameters and compute disagree. Every rank
+The running example, 12 blocks 64 wide, with a vocabulary of 4,096 tokens (its embedding and its
+head each hold as many parameters as 5 blocks), so that parameters and compute disagree. Every rank
 times each layer's forward and backward on one micro-batch (layer i is block i, the embeddings
 counted in the first layer, the final norm, the head and the loss in the last), and the ranks
 average their times, so that all of them choose the same cuts. Then the same GPipe pipeline, one
@@ -17,7 +17,9 @@ stage per rank, runs on these cuts of the blocks:
 
 For each it prints the stages' times from the layers' times, the step GPipe would take with them,
 T_0 + ... + T_(p-1) + (m - 1) * max T_s (each T_s per micro-batch), and the step the pipeline
-took (the slowest rank's, median over ``--steps``; the cuts take turns, a step each).
+took (the slowest rank's, median over ``--steps``; the cuts take turns, a step each). Every cut
+starts from the same model, so its first step's losses and gradients are the unsplit model's:
+the result file keeps them, and the test compares them.
 
 With ``--backend nccl`` (one GPU per rank) the same runs on GPUs. One thread per rank on the CPU:
 more ranks than cores would time each other's work.
@@ -47,26 +49,34 @@ def fastest_cut(costs: list[float], num_stages: int) -> list[int]:
     ties to the fewest layers in the first stage, then the second...: task 7_3's and task 7_8's
     rule, without trying every cut (C(79, 7) for 80 layers in 8 stages). A stage's cost is the
     sum of its layers'. The costliest stage of the best cut costs the sum of some run of layers:
-    try those sums, smallest first, until ``num_stages`` stages of at most that cost cover every
-    layer (filling each stage greedily needs the fewest). Then give each stage the fewest layers
-    that leave the rest coverable by the stages left."""
+    find the smallest of those sums for which ``num_stages`` stages of at most that cost cover
+    every layer (filling each stage greedily needs the fewest). Then give each stage the fewest
+    layers that leave the rest coverable by the stages left."""
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ValueError(f"{n} layers cannot be cut into {num_stages} stages of at least one "
                          f"layer each")
 
     def stages_needed(start: int, limit: float) -> float:  # for layers start..n-1, greedily
-        needed, total = 0, None
-        for cost in costs[start:]:
-            if cost > limit:
+        needed, begin = 0, start
+        for i in range(start, n):
+            if costs[i] > limit:
                 return float("inf")
-            if total is None or total + cost > limit:  # a new stage, from this layer
-                needed, total = needed + 1, 0
-            total += cost
+            # A stage's cost is summed as the candidates are (Python 3.12's sum() of floats is
+            # compensated: adding one cost at a time can differ in the last bit).
+            if i == start or sum(costs[begin:i + 1]) > limit:  # a new stage, from this layer
+                needed, begin = needed + 1, i
         return needed
 
-    limit = next(t for t in sorted({sum(costs[a:b]) for a in range(n) for b in range(a + 1, n + 1)})
-                 if stages_needed(0, t) <= num_stages)
+    sums = sorted({sum(costs[a:b]) for a in range(n) for b in range(a + 1, n + 1)})
+    low, high = 0, len(sums) - 1  # the largest, every layer's, is one stage: always enough
+    while low < high:  # the smallest sum that is enough, by bisection: more is never worse
+        middle = (low + high) // 2
+        if stages_needed(0, sums[middle]) <= num_stages:
+            high = middle
+        else:
+            low = middle + 1
+    limit = sums[low]
     counts, start = [], 0
     for left in range(num_stages - 1, 0, -1):  # the stages after this one
         take = 1  # (it stops at the latest where the rest has a layer per stage left)
@@ -86,7 +96,14 @@ def layer_parameters(model: GPT) -> list[int]:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().mT, targets)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def make_batch(vocab_size: int, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and targets, the same on every rank: timing needs no text."""
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randint(0, vocab_size, (batch, context), generator=generator)
+                 for _ in range(2))
 
 
 def layer_seconds(model: GPT, ids, targets, repeats: int, device) -> list[float]:
@@ -122,8 +139,9 @@ def gpipe_step(stage_seconds: list[float], micro_batches: int) -> float:
 
 
 class Pipeline:
-    """GPipe over one cut of the model (a copy of its own): this rank's stage, and the slowest
-    rank's time of each timed step."""
+    """GPipe over one cut of the model (a copy of its own): this rank's stage, the slowest
+    rank's time of each timed step, and what the first step computed (the micro-batches'
+    losses and the sum of every gradient's squares, over every stage)."""
 
     def __init__(self, config: GPTConfig, counts: list[int], micro_batches: int, rank: int,
                  device):
@@ -133,27 +151,35 @@ class Pipeline:
                                       micro_batches, loss_fn=loss_fn)
         self.first, self.last, self.device = rank == 0, rank == len(counts) - 1, device
         self.steps: list[float] = []
+        self.first_step: dict | None = None
 
     def step(self, inputs, targets, timed: bool) -> None:
+        losses: list[torch.Tensor] = []  # the last stage's, one per micro-batch
         dist.barrier()  # every stage starts the step together
         began = time.perf_counter()
         self.schedule.step(*((inputs,) if self.first else ()),
-                           **({"target": targets} if self.last else {}))
+                           **({"target": targets, "losses": losses} if self.last else {}))
         run.sync(self.device)
-        seconds = torch.tensor(time.perf_counter() - began)
+        seconds = torch.tensor(time.perf_counter() - began, device=self.device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the step ends when its last rank does
-        self.stage.zero_grad(set_to_none=True)
         if timed:  # not the first steps, which exchange the shapes and warm the caches
             self.steps.append(seconds.item())
+        if self.first_step is None:
+            squares = sum(p.grad.float().square().sum() for p in self.stage.parameters())
+            dist.all_reduce(squares)
+            shared = [[loss.item() for loss in losses]]
+            dist.broadcast_object_list(shared, src=dist.get_world_size() - 1)
+            self.first_step = {"losses": shared[0], "grad_square_sum": squares.item()}
+        self.stage.zero_grad(set_to_none=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=run.positive_int, default=8)
+    parser.add_argument("--blocks", type=run.positive_int, default=12)
     parser.add_argument("--width", type=run.positive_int, default=64)
-    parser.add_argument("--vocab-size", type=run.positive_int, default=2048)
+    parser.add_argument("--vocab-size", type=run.positive_int, default=4096)
     parser.add_argument("--context", type=run.positive_int, default=64)
-    parser.add_argument("--micro-batch-size", type=run.positive_int, default=16,
+    parser.add_argument("--micro-batch-size", type=run.positive_int, default=8,
                         help="sequences per micro-batch")
     parser.add_argument("--micro-batches", type=run.positive_int, default=8)
     parser.add_argument("--steps", type=run.positive_int, default=3, help="timed steps per cut")
@@ -180,14 +206,13 @@ def main(argv=None) -> int:
     config = GPTConfig(vocab_size=args.vocab_size, block_size=args.context, n_layer=args.blocks,
                        n_head=4, n_embd=args.width)
     model = GPT(config, seed=0).to(device)
-    generator = torch.Generator().manual_seed(0)
-    batch = args.micro_batch_size * args.micro_batches
-    inputs, targets = (torch.randint(0, args.vocab_size, (batch, args.context),
-                                     generator=generator).to(device) for _ in range(2))
+    inputs, targets = (t.to(device) for t in make_batch(
+        args.vocab_size, args.micro_batch_size * args.micro_batches, args.context))
 
     # Every rank times every layer at once, as they will run; the mean is what all cut on.
     seconds = torch.tensor(layer_seconds(model, inputs[:args.micro_batch_size],
-                                         targets[:args.micro_batch_size], args.repeats, device))
+                                         targets[:args.micro_batch_size], args.repeats, device),
+                           device=device)
     dist.all_reduce(seconds)
     seconds = (seconds / world).tolist()
     parameters = layer_parameters(model)
@@ -209,7 +234,7 @@ def main(argv=None) -> int:
         rows.append({"blocks": list(counts), "names": [n for n, c in named.items() if c == counts],
                      "stage_s": stage_s,
                      "predicted_step_s": gpipe_step(stage_s, args.micro_batches),
-                     "step_s": statistics.median(pipeline.steps)})
+                     "step_s": statistics.median(pipeline.steps), **pipeline.first_step})
 
     if rank == 0:
         print(f"{args.blocks} blocks x {args.width} wide, vocabulary {args.vocab_size}, context "
@@ -217,9 +242,10 @@ def main(argv=None) -> int:
               f"micro-batches of {args.micro_batch_size} sequences")
         print("layer  parameters  forward + backward of a micro-batch")
         for i, (count, s) in enumerate(zip(parameters, seconds, strict=True)):
-            note = ("  embeddings, block 0" if i == 0 else
-                    f"  block {i}, norm, head, loss" if i == args.blocks - 1 else f"  block {i}")
-            print(f"{i:5d}  {count:10,d}  {s * 1e3:7.2f} ms{note}")
+            parts = (["embeddings"] if i == 0 else []) + [f"block {i}"] + (
+                ["norm, head, loss"] if i == args.blocks - 1 else [])
+            note = ", ".join(parts)
+            print(f"{i:5d}  {count:10,d}  {s * 1e3:7.2f} ms  {note}")
         print("blocks per stage  stages' times (ms)  predicted step  measured step")
         for row in rows:
             stages = " ".join(f"{s * 1e3:.1f}" for s in row["stage_s"])

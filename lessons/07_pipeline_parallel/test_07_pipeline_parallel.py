@@ -143,13 +143,14 @@ def test_the_scripts_search_refuses_what_cannot_be_cut(balance_script):
 
 
 @pytest.mark.slow
-def test_balance_stages_cuts_on_what_it_measured(balance_run):
+def test_balance_stages_cuts_on_what_it_measured(balance_run, balance_script):
     run = balance_run.result()
     data = run.data
-    assert (data["world_size"], data["micro_batches"]) == (2, 2), data
-    arg = dict(zip(BALANCE[::2], BALANCE[1::2], strict=True))
-    model = GPT(GPTConfig(vocab_size=int(arg["--vocab-size"]), block_size=int(arg["--context"]),
-                          n_layer=int(arg["--blocks"]), n_head=4, n_embd=int(arg["--width"])))
+    arg = {name: int(value) for name, value in zip(BALANCE[::2], BALANCE[1::2], strict=True)}
+    m = arg["--micro-batches"]
+    assert (data["world_size"], data["micro_batches"]) == (2, m), data
+    model = GPT(GPTConfig(vocab_size=arg["--vocab-size"], block_size=arg["--context"],
+                          n_layer=arg["--blocks"], n_head=4, n_embd=arg["--width"]), seed=0)
     blocks = model.config.n_layer
     # torch's count of each one-layer stage: its block, the embeddings first, the head last
     assert data["layer_parameters"] == [
@@ -165,8 +166,20 @@ def test_balance_stages_cuts_on_what_it_measured(balance_run):
         "by parameters": tuple(min(every_cut(data["layer_parameters"], 2),
                                    key=lambda cut: cut[0])[1]),
         "by time": tuple(min(every_cut(layer_s, 2), key=lambda cut: cut[0])[1])}, rows
-    m = data["micro_batches"]
+    # Every cut ran the whole model: its first step is the unsplit model's on the same batch.
+    inputs, targets = balance_script.make_batch(arg["--vocab-size"],
+                                                m * arg["--micro-batch-size"], arg["--context"])
+    losses = [model(x, y)[1].item()
+              for x, y in zip(inputs.chunk(m), targets.chunk(m), strict=True)]
+    model(inputs, targets)[1].backward()
+    squares = sum(p.grad.square().sum() for p in model.parameters()).item()
     for cut, row in rows.items():
+        assert row["losses"] == pytest.approx(losses, rel=1e-5), (
+            f"the cut {cut}: its micro-batches' losses {row['losses']}, the unsplit model's "
+            f"{losses}")
+        assert row["grad_square_sum"] == pytest.approx(squares, rel=1e-4), (
+            f"the cut {cut}: its gradients' squares sum to {row['grad_square_sum']}, the "
+            f"unsplit model's on the whole batch to {squares}")
         stages = stage_times(layer_s, list(cut))
         assert row["stage_s"] == pytest.approx(stages), row
         assert row["predicted_step_s"] == pytest.approx(sum(stages) + (m - 1) * max(stages)), row
@@ -181,3 +194,7 @@ def test_balance_stages_refuses_more_stages_than_blocks(balance_script, outside_
     assert balance_script.main(["--blocks", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "8 stages cannot share 4 blocks" in err[0], err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert balance_script.main(["--width", "30"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--width 30 must split into 4 heads" in err[0], err

@@ -97,8 +97,9 @@ def fit(device: torch.device, size: str = "tiny", epochs: int = 3, batch_size: i
     # Created after the move, so the optimizer's state is allocated on the device as well.
     optimizer = torch.optim.AdamW(stages[rank].parameters(), lr=lr)  # this stage's only
     clock = busy_clock(stages[rank], device)
-    schedule = Schedule1F1B(PipelineStage(stages[rank], rank, world_size, device), micro_batches,
-                            loss_fn=lambda logits, y: F.cross_entropy(logits.float().mT, y))
+    schedule = Schedule1F1B(
+        PipelineStage(stages[rank], rank, world_size, device), micro_batches,
+        loss_fn=lambda logits, y: F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
     amp = torch.bfloat16 if bf16 else None
 
     where = f"{world_size} stage(s) of {per} block(s), batch {batch_size} in {micro_batches} pieces"
