@@ -233,6 +233,10 @@ class RankPool:
     def start(self) -> None:
         self.close()
         context = mp.get_context(self.start_method)
+        if self.start_method == "fork":
+            # Once here, not once per rank: an optimizer's first construction imports
+            # torch._dynamo (about 1 s of CPU; it starts no thread), which forked ranks inherit.
+            import torch._dynamo  # noqa: F401
         self._tmpdir = tempfile.mkdtemp(prefix="course-ranks-")
         store_path = os.path.join(self._tmpdir, "store")
         for rank in range(self.world_size):
