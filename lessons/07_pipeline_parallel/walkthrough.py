@@ -13,10 +13,10 @@
 # %% [markdown]
 # # Lesson 07 walkthrough: stages, schedules and the bubble
 #
-# Four steps, all on a CPU: cut the running example into stages and check that, chained, they
-# are the model; run the two classic schedules on paper and read their bubble and memory; see
-# a mismatched pair of schedules deadlock, on paper; then train the model as a pipeline of two
-# processes under `torchrun`, started from here as a subprocess.
+# Four steps, all on a CPU: cut the running example into stages, check that, chained, they are
+# the model, and time its layers; run the two classic schedules on paper and read their bubble
+# and memory; see a mismatched pair of schedules deadlock, on paper; then train the model as a
+# pipeline of two processes under `torchrun`, started from here as a subprocess.
 
 # %%
 import os
@@ -58,6 +58,33 @@ for stage in stages:
 # What crosses from the first stage to the second is the (batch, tokens, features) activation
 # printed first: 2 x 8 x 32 numbers here. The two stages hold different numbers of parameters,
 # though they have as many blocks: the embeddings and the head weigh too (task 7_3 balances them).
+#
+# ### What a layer costs: time is not parameters
+#
+# A pipeline runs at the pace of its slowest stage in compute. `balance_stages.py` times each
+# layer alone, its forward and backward on one micro-batch (the embeddings counted in the first
+# layer, the head and the loss in the last). Here on the model with a vocabulary of 4,096, so
+# that its embedding and its head each hold as many parameters as 10 blocks:
+
+# %%
+from balance_stages import fastest_cut, layer_parameters, layer_seconds, make_batch  # noqa: E402
+
+large_vocabulary = GPT(GPTConfig(vocab_size=4096, block_size=32, n_layer=4, n_head=4,
+                                 n_embd=32), seed=0)
+ids, targets = make_batch(4096, 16, 32)
+seconds = layer_seconds(large_vocabulary, ids, targets, repeats=5, device=torch.device("cpu"))
+parameters = layer_parameters(large_vocabulary)
+for i, (count, s) in enumerate(zip(parameters, seconds, strict=True)):
+    print(f"layer {i}: {count:7,d} parameters, {s * 1e3:5.2f} ms")
+print("2 stages by parameters:", fastest_cut(parameters, 2), " by time:", fastest_cut(seconds, 2))
+
+# %% [markdown]
+# The first layer holds ten blocks' worth of parameters and costs about what a block costs: the
+# embedding is a lookup, one row per token. The last holds as many and costs several blocks: a
+# multiplication by all of the head's weights, and the loss's softmax over 4,096 entries.
+# Counting parameters cuts 2 and 2; timing cuts 3 and 1. The lesson's text runs
+# `balance_stages.py`, which trains the pipeline on every cut and shows the step following the
+# slowest stage.
 
 # %% [markdown]
 # ## 2. Two schedules on paper
