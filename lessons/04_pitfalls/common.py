@@ -8,7 +8,6 @@ before any group exists, so that forked ranks have it.
 
 from __future__ import annotations
 
-import torch._dynamo  # noqa: F401 - DDP's first use imports it: ~3 s per forked rank
 import torch.distributed.nn  # noqa: F401  before any group exists: see the labs' setup()
 from torch import nn
 

@@ -14,7 +14,6 @@ import contextlib
 import functools
 
 import torch
-import torch._dynamo  # noqa: F401 - the first fully_shard() imports it: a second per rank
 import torch.distributed.fsdp  # noqa: F401 - imported here once, so that forked ranks have it
 from gpt import GPT, GPTConfig
 from torch import nn

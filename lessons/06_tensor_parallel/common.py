@@ -14,7 +14,6 @@ import functools
 import re
 
 import torch
-import torch._dynamo  # noqa: F401 - the first fully_shard() imports it: a second per rank
 import torch.distributed as dist
 import torch.distributed.fsdp  # noqa: F401 - imported here once, so that forked ranks have it
 import torch.distributed.tensor.parallel  # noqa: F401 - likewise

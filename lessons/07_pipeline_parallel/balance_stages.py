@@ -141,7 +141,7 @@ def gpipe_step(stage_seconds: list[float], micro_batches: int) -> float:
 class Pipeline:
     """GPipe over one cut of the model (a copy of its own): this rank's stage, the slowest
     rank's time of each timed step, and what the first step computed (the micro-batches'
-    losses and the sum of every gradient's squares, over every stage)."""
+    losses and, for each stage, the sum of its gradients' squares)."""
 
     def __init__(self, config: GPTConfig, counts: list[int], micro_batches: int, rank: int,
                  device):
@@ -165,11 +165,15 @@ class Pipeline:
         if timed:  # not the first steps, which exchange the shapes and warm the caches
             self.steps.append(seconds.item())
         if self.first_step is None:
-            squares = sum(p.grad.float().square().sum() for p in self.stage.parameters())
-            dist.all_reduce(squares)
+            missing = [name for name, p in self.stage.named_parameters() if p.grad is None]
+            if missing:  # a failed rank: torchrun stops the others
+                raise RuntimeError(f"after a step, no gradient for {missing}")
+            squares = [None] * dist.get_world_size()  # each stage's own
+            dist.all_gather_object(squares, sum(p.grad.float().square().sum().item()
+                                                for p in self.stage.parameters()))
             shared = [[loss.item() for loss in losses]]
             dist.broadcast_object_list(shared, src=dist.get_world_size() - 1)
-            self.first_step = {"losses": shared[0], "grad_square_sum": squares.item()}
+            self.first_step = {"losses": shared[0], "grad_square_sums": squares}
         self.stage.zero_grad(set_to_none=True)
 
 

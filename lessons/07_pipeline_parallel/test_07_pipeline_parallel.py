@@ -172,14 +172,15 @@ def test_balance_stages_cuts_on_what_it_measured(balance_run, balance_script):
     losses = [model(x, y)[1].item()
               for x, y in zip(inputs.chunk(m), targets.chunk(m), strict=True)]
     model(inputs, targets)[1].backward()
-    squares = sum(p.grad.square().sum() for p in model.parameters()).item()
     for cut, row in rows.items():
         assert row["losses"] == pytest.approx(losses, rel=1e-5), (
             f"the cut {cut}: its micro-batches' losses {row['losses']}, the unsplit model's "
             f"{losses}")
-        assert row["grad_square_sum"] == pytest.approx(squares, rel=1e-4), (
-            f"the cut {cut}: its gradients' squares sum to {row['grad_square_sum']}, the "
-            f"unsplit model's on the whole batch to {squares}")
+        squares = [sum(p.grad.square().sum().item() for p in GPTStage(model, a, b).parameters())
+                   for a, b in ((0, cut[0]), (cut[0], blocks))]
+        assert row["grad_square_sums"] == pytest.approx(squares, rel=1e-4), (
+            f"the cut {cut}: each stage's gradients' squares sum to {row['grad_square_sums']}, "
+            f"the unsplit model's on the whole batch, over the same parameters, to {squares}")
         stages = stage_times(layer_s, list(cut))
         assert row["stage_s"] == pytest.approx(stages), row
         assert row["predicted_step_s"] == pytest.approx(sum(stages) + (m - 1) * max(stages)), row

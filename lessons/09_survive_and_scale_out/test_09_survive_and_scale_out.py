@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401 - the first fully_shard() imports it: a second per rank
 import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401 - imported here once, so forked ranks have it
 import torch.distributed.fsdp  # noqa: F401 - the same: seconds per rank otherwise

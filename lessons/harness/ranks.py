@@ -205,6 +205,13 @@ def _default_start_method(device: str) -> str:
     return "fork"
 
 
+def _import_before_fork() -> None:
+    """Import once, in the parent, what every forked process would import for itself: an
+    optimizer's first construction imports torch._dynamo (about 1 s of CPU here, in torch 2.11
+    and 2.14; the import starts no thread), and forked children inherit it."""
+    importlib.import_module("torch._dynamo")
+
+
 class RankPool:
     """``world_size`` worker processes in one process group, reused across calls."""
 
@@ -234,9 +241,7 @@ class RankPool:
         self.close()
         context = mp.get_context(self.start_method)
         if self.start_method == "fork":
-            # Once here, not once per rank: an optimizer's first construction imports
-            # torch._dynamo (about 1 s of CPU; it starts no thread), which forked ranks inherit.
-            import torch._dynamo  # noqa: F401
+            _import_before_fork()
         self._tmpdir = tempfile.mkdtemp(prefix="course-ranks-")
         store_path = os.path.join(self._tmpdir, "store")
         for rank in range(self.world_size):
@@ -377,6 +382,8 @@ def in_a_child(fn, *args, timeout: float = CALL_TIMEOUT, **kwargs):
     if path is None or "<locals>" in fn.__qualname__:
         raise TypeError(f"{fn.__qualname__} must be a module-level function in a file")
     context = mp.get_context(_default_start_method("cpu"))
+    if context.get_start_method() == "fork":
+        _import_before_fork()
     parent_end, child_end = context.Pipe(duplex=False)
     proc = context.Process(target=_child_main, daemon=True, name="course-child",
                            args=(os.path.abspath(path), fn.__module__, fn.__qualname__, args,
