@@ -57,7 +57,7 @@ CLAUSES = {
     },
 }
 
-TOLERANCE = 0.15  # the reference: within 5 %, 10 % when a reduce-scatter finishes late (see README)
+TOLERANCE = 0.15  # the reference: within 6 %, 10 % when a reduce-scatter finishes late (see README)
 
 
 def model_of(config: GPTConfig, checkpoint: bool) -> GPT:
@@ -290,7 +290,7 @@ def peaks_on_rank(ctx, cases: list) -> list[int]:
         ids = torch.randint(config.vocab_size, shape, generator=generator)
         targets = torch.randint(config.vocab_size, shape, generator=generator)
 
-        for _ in range(2):  # AdamW's moments exist, and DDP has rebuilt its buckets
+        for _ in range(2 if stage == 0 else 1):  # AdamW's moments exist; DDP's buckets rebuilt
             train_step(step_model, optimizer, ids, targets)
         kept = [run.local_part(t) for p in model.parameters() for t in (p, p.grad)]
         kept += [run.local_part(t) for s in optimizer.state.values() for t in s.values()
