@@ -88,11 +88,10 @@ def fastest_cut(costs: list[float], num_stages: int) -> list[int]:
 
 
 def layer_parameters(model: GPT) -> list[int]:
-    """Each layer's parameters: block i's, the embeddings in the first, the head in the last."""
-    count = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
-    count[0] += sum(p.numel() for m in (model.tok_emb, model.pos_emb) for p in m.parameters())
-    count[-1] += sum(p.numel() for m in (model.ln_f, model.lm_head) for p in m.parameters())
-    return count
+    """Each layer's parameters: the one-block stage that ``layer_seconds`` times, block i with
+    the embeddings in the first and the final norm and the head in the last."""
+    return [sum(p.numel() for p in GPTStage(model, i, i + 1).parameters())
+            for i in range(model.config.n_layer)]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -252,8 +251,8 @@ def main(argv=None) -> int:
             print(f"{i:5d}  {count:10,d}  {s * 1e3:7.2f} ms  {note}")
         print("blocks per stage  stages' times (ms)  predicted step  measured step")
         for row in rows:
-            stages = " ".join(f"{s * 1e3:.1f}" for s in row["stage_s"])
-            print(f"{' '.join(map(str, row['blocks'])):16s}  {stages:18s}  "
+            times = " ".join(f"{s * 1e3:.1f}" for s in row["stage_s"])
+            print(f"{' '.join(map(str, row['blocks'])):16s}  {times:18s}  "
                   f"{row['predicted_step_s'] * 1e3:11.1f} ms  {row['step_s'] * 1e3:10.1f} ms  "
                   + ", ".join(row["names"]))
         if args.result:

@@ -152,9 +152,14 @@ def test_balance_stages_cuts_on_what_it_measured(balance_run, balance_script):
     model = GPT(GPTConfig(vocab_size=arg["--vocab-size"], block_size=arg["--context"],
                           n_layer=arg["--blocks"], n_head=4, n_embd=arg["--width"]), seed=0)
     blocks = model.config.n_layer
-    # torch's count of each one-layer stage: its block, the embeddings first, the head last
-    assert data["layer_parameters"] == [
-        sum(p.numel() for p in GPTStage(model, i, i + 1).parameters()) for i in range(blocks)]
+    # torch's count of each layer: its block, the embeddings first, the final norm and head last
+    def count(*modules):
+        return sum(p.numel() for module in modules for p in module.parameters())
+
+    expected = [count(block) for block in model.blocks]
+    expected[0] += count(model.tok_emb, model.pos_emb)
+    expected[-1] += count(model.ln_f, model.lm_head)
+    assert data["layer_parameters"] == expected and sum(expected) == model.num_parameters()
     layer_s = data["layer_s"]
     assert len(layer_s) == blocks and all(s > 0 for s in layer_s), layer_s
     rows = {tuple(row["blocks"]): row for row in data["rows"]}

@@ -82,10 +82,9 @@ print("2 stages by parameters:", fastest_cut(parameters, 2), " by time:", fastes
 # The embeddings hold ten blocks' worth of parameters, and the first layer costs about what a
 # block costs: an embedding is a lookup, one row per token. The head holds as many, and the last
 # layer costs several blocks: a multiplication by all of the head's weights, and the loss's
-# softmax over 4,096 entries.
-# Counting parameters cuts 2 and 2; timing cuts 3 and 1. The lesson's text runs
-# `balance_stages.py`, which runs steps of the pipeline on every cut and shows the step following
-# the slowest stage.
+# softmax over 4,096 entries. Counting parameters cuts 2 and 2; timing cuts 3 and 1. The
+# lesson's text runs `balance_stages.py`, which runs steps of the pipeline on every cut and shows
+# the step following the slowest stage.
 
 # %% [markdown]
 # ## 2. Two schedules on paper
