@@ -15,15 +15,15 @@ import functools
 
 import torch
 import torch.distributed.fsdp  # noqa: F401 - imported here once, so that forked ranks have it
-from gpt import GPT, GPTConfig
+from gpt import GPT, GPTConfig, run
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.collectives import CollectiveLog
 from harness.compare import assert_close, assert_parameters_close, full_fp32
-from harness.exercises import load_exercise
+from harness.exercises import SOLUTIONS_DIR, load_exercise, load_path
 from harness.launch import QUICK_SAMPLE
-from harness.memory import held_bytes
+from harness.memory import AllocationPeak, held_bytes
 from harness.ranks import group_params
 
 LESSON = "05_sharded_data_parallel"
@@ -533,3 +533,106 @@ def tower_step(ctx, depth: int, prefetching=None, reshard_after_forward=True) ->
     return {"events": timeline.events(tower, ctx.world_size), "held_after_forward": held,
             "ranks": [(call.op, call.ranks) for call in timeline.log.calls],
             "grads": [p.grad.full_tensor() for p in tower.parameters()]}
+
+
+# The peak predictors (task5_9, task5_10): the oracle of what a forward keeps, the
+# configurations, and the step whose peak they predict, measured on every stage.
+
+def model_of(config: GPTConfig, checkpoint: bool) -> GPT:
+    """``GPT(config)``, every block wrapped by ``checkpoint_wrapper`` when asked."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = GPT(config)
+    if checkpoint:
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = checkpoint_wrapper(block)
+    return model
+
+
+def kept_by_autograd(config: GPTConfig, batch_size: int, checkpoint: bool) -> int:
+    """The oracle: the bytes of every storage torch's saved-tensors hook is handed during one
+    training forward (each storage once), less the parameters'."""
+    torch.manual_seed(0)
+    model = model_of(config, checkpoint).train()
+    ids = torch.randint(config.vocab_size, (batch_size, config.block_size))
+    targets = torch.randint(config.vocab_size, (batch_size, config.block_size))
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters:
+            kept[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids, targets)
+    return sum(kept.values())
+
+
+# What each configuration's peak is made of: the activations (ACTIVATIONS), the state
+# (STATE: wide and short) or the loss over a large vocabulary (LOSS); the last has no biases.
+ACTIVATIONS = dict(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=32)
+STATE = dict(vocab_size=65, block_size=8, n_layer=2, n_head=4, n_embd=128)
+LOSS = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_embd=32)
+NO_BIAS = dict(vocab_size=40, block_size=12, n_layer=3, n_head=3, n_embd=48, bias=False)
+
+
+def train_step(step_model, optimizer, ids, targets) -> None:
+    """One step whose gradients are zeroed, not freed (the lesson's scripts free them with
+    zero_grad's default), so that under DDP and FSDP2 the rank holds its whole state
+    throughout, as peak_bytes assumes; the lesson's ZeRO-1 and ZeRO-2 free them in step()
+    themselves. The logits stay alive through the backward, as a caller's do."""
+    optimizer.zero_grad(set_to_none=False)
+    _logits, loss = step_model(ids, targets)
+    loss.backward()
+    optimizer.step()
+
+
+def peaks_on_rank(ctx, cases: list) -> list[int]:
+    """Each case ``(config, batch_size, stage, checkpoint)`` trained on these ranks: stage 0
+    DDP (its gradients views into its buckets: one copy), 1 and 2 the reference's
+    ``Zero1Optimizer`` and ``Zero2Optimizer`` (one implementation for every learner's
+    predictor), 3 FSDP2, all with AdamW; the most bytes this rank held during the last step:
+    what it kept from the step before (parameters, gradients, AdamW's moments) and the most the
+    step's new tensors held at once beyond it."""
+    from torch.distributed.fsdp import fully_shard
+
+    peaks = []
+    for config, batch_size, stage, checkpoint in cases:
+        config = GPTConfig(**config)
+        model = model_of(config, checkpoint)
+        step_model = model
+        if stage in (1, 2):
+            zero = load_path(SOLUTIONS_DIR / LESSON / "exercises.py")
+            optimizer = (zero.Zero1Optimizer if stage == 1 else zero.Zero2Optimizer)(
+                model.parameters(), lr=1e-3)
+        else:
+            if stage == 3:
+                for block in model.blocks:
+                    fully_shard(block)
+                step_model = fully_shard(model)
+            else:
+                step_model = DDP(model, gradient_as_bucket_view=True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(ctx.rank)
+        shape = (batch_size // ctx.world_size, config.block_size)
+        ids = torch.randint(config.vocab_size, shape, generator=generator)
+        targets = torch.randint(config.vocab_size, shape, generator=generator)
+
+        for _ in range(2 if stage == 0 else 1):  # AdamW's moments exist; DDP's buckets rebuilt
+            train_step(step_model, optimizer, ids, targets)
+        inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's AdamW over its pieces
+        kept = [run.local_part(t) for p in model.parameters() for t in (p, p.grad)
+                if t is not None]
+        kept += [run.local_part(t) for s in inner.state.values() for t in s.values()
+                 if torch.is_tensor(t)]
+        state = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                     for t in kept}.values())
+        with AllocationPeak(ignore=kept) as peak:
+            train_step(step_model, optimizer, ids, targets)
+        peaks.append(state + peak.bytes)
+        if stage == 2:
+            optimizer.remove()
+        del step_model, model, optimizer, kept, peak
+    return peaks

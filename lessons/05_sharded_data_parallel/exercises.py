@@ -438,3 +438,51 @@ def peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 0,
     """
     raise NotImplementedError("task5_9: state, activations, the largest transient, gathered")
 # --8<-- [end:peak_bytes]
+
+
+# --8<-- [start:zero_peak_bytes]
+def zero_peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 1,
+                    checkpoint: bool = False) -> int:
+    """The most bytes one rank holds during a training step of the running example under this
+    lesson's ``Zero1Optimizer`` (``stage=1``) or ``Zero2Optimizer`` (``stage=2``) wrapping
+    AdamW, predicted: the model plain (no DDP), ``batch_size`` sequences split evenly over
+    ``world_size`` ranks, as ``peak_bytes`` has them.
+
+    These optimizers keep no gradient between steps (ZeRO-1's ``step()`` frees the whole
+    gradients, ZeRO-2's frees its pieces), so only the parameters and this rank's share of the
+    moments stay. The backward then trades activations for gradients, block by block: at its
+    start the rank holds every activation and no gradient, at its end every gradient (whole
+    under ZeRO-1, this rank's pieces under ZeRO-2) and no activation. The peak is at one end:
+
+        held + max(activations + the largest of the start's moments,
+                   G + the largest of the end's moments)
+
+    with 4 bytes a float, N this rank's tokens, P the model's largest parameter (in elements):
+
+    - held: ``memory_per_rank(Ψ, world_size, stage)``'s parameters and optimizer state (your
+      task5_1; Ψ as in ``peak_bytes``); G: its gradients;
+    - activations: ``activation_bytes`` of this rank's ``batch_size // world_size`` sequences;
+    - R, one reduce-scatter of the largest parameter's gradient (your ``reduce_scatter_mean``):
+      the gradient padded to ``world_size`` pieces and two pieces (this rank's sum and its
+      mean), (W + 2)·⌈P/W⌉ floats; ZeRO-2 reduce-scatters inside the backward, as soon as a
+      gradient is made, so its R holds that whole gradient too: P + (W + 2)·⌈P/W⌉;
+    - the recomputed block, with ``checkpoint=True``: its activations and the logits,
+      N(16C + H + 4 + V);
+    - the start's moments: the loss's backward (3NV, as in ``peak_bytes``), the recomputed block
+      (with checkpointing), and R under ZeRO-2;
+    - the end's moments: R (ZeRO-1's ``step()`` reduce-scatters after the backward), and the
+      recomputed block (with checkpointing): the first block is recomputed last, beside nearly
+      every gradient.
+
+    A ``stage`` other than 1 or 2, ``world_size`` below 1, or a ``batch_size`` that does not
+    split evenly over the ranks raises ``ValueError`` (as ``activation_bytes`` does for the rest).
+
+    The test checks your sum, to the byte, against the one above for generated sizes (Ψ and P
+    counted by torch, the activations by its saved-tensors hook); then trains the model with the
+    reference's ``Zero1Optimizer`` and ``Zero2Optimizer`` on 2 gloo ranks, with and without
+    checkpointing, on configurations where activations, the state or the loss
+    dominate, and measures each rank's peak (``harness.memory``): the sum must be within 15 % of
+    it (the reference's is within 0.91 to 1.04 times it).
+    """
+    raise NotImplementedError("task5_10: what stays, then the larger of the backward's two ends")
+# --8<-- [end:zero_peak_bytes]

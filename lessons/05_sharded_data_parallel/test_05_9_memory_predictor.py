@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt import GPT, GPTConfig, run
+from gpt import GPT, GPTConfig
 
 from harness.exercises import raise_if_untouched
 from harness.hardware import needs_gpus
-from harness.memory import AllocationPeak
 from harness.ranks import run_on_ranks
 from harness.sweep import st, sweep
+from lesson05.common import (
+    ACTIVATIONS,
+    LOSS,
+    NO_BIAS,
+    STATE,
+    kept_by_autograd,
+    model_of,
+    peaks_on_rank,
+    train_step,
+)
 
 # This task's contract, clause by clause, and the tests that fail when only that clause
 # is broken (tests/test_course.py checks the names).
@@ -58,38 +67,6 @@ CLAUSES = {
 }
 
 TOLERANCE = 0.15  # the reference: within 6 %, 10 % when a reduce-scatter finishes late (see README)
-
-
-def model_of(config: GPTConfig, checkpoint: bool) -> GPT:
-    """``GPT(config)``, every block wrapped by ``checkpoint_wrapper`` when asked."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    model = GPT(config)
-    if checkpoint:
-        for index, block in enumerate(model.blocks):
-            model.blocks[index] = checkpoint_wrapper(block)
-    return model
-
-
-def kept_by_autograd(config: GPTConfig, batch_size: int, checkpoint: bool) -> int:
-    """The oracle: the bytes of every storage torch's saved-tensors hook is handed during one
-    training forward (each storage once), less the parameters'."""
-    torch.manual_seed(0)
-    model = model_of(config, checkpoint).train()
-    ids = torch.randint(config.vocab_size, (batch_size, config.block_size))
-    targets = torch.randint(config.vocab_size, (batch_size, config.block_size))
-    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-    kept = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in parameters:
-            kept[storage._cdata] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(ids, targets)
-    return sum(kept.values())
 
 
 def activation_diagnosis(config: GPTConfig, batch_size: int, got: int, want: int) -> str:
@@ -244,64 +221,11 @@ def test_peak_bytes_is_the_texts_sum_for_any_size(ex, heads, head_dim, layers, l
         + peak_diagnosis(got, parts, config, share, world, stage, checkpoint))
 
 
-# What each configuration's peak is made of: the activations (ACTIVATIONS), the state
-# (STATE: wide and short) or the loss over a large vocabulary (LOSS); the last has no biases.
-ACTIVATIONS = dict(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=32)
-STATE = dict(vocab_size=65, block_size=8, n_layer=2, n_head=4, n_embd=128)
-LOSS = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_embd=32)
-NO_BIAS = dict(vocab_size=40, block_size=12, n_layer=3, n_head=3, n_embd=48, bias=False)
 CASES = {  # world size -> (configuration, sequences in all)
     1: [(ACTIVATIONS, 8), (STATE, 4)],
     2: [(ACTIVATIONS, 16), (STATE, 4), (LOSS, 4), (NO_BIAS, 6)],
     4: [(ACTIVATIONS, 16), (LOSS, 8)],
 }
-
-
-def train_step(step_model, optimizer, ids, targets) -> None:
-    """One step whose gradients are zeroed, not freed (the lesson's scripts free them with
-    zero_grad's default), so that the rank holds its whole state throughout, as peak_bytes
-    assumes. The logits stay alive through the backward, as a caller's do."""
-    optimizer.zero_grad(set_to_none=False)
-    _logits, loss = step_model(ids, targets)
-    loss.backward()
-    optimizer.step()
-
-
-def peaks_on_rank(ctx, cases: list) -> list[int]:
-    """Each case trained for three steps on these ranks; the most bytes this rank held during
-    the third: its state (parameters, gradients, AdamW's moments, held throughout) and the most
-    the step's new tensors held at once beyond it."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    peaks = []
-    for config, batch_size, stage, checkpoint in cases:
-        config = GPTConfig(**config)
-        model = model_of(config, checkpoint)
-        if stage == 3:
-            for block in model.blocks:
-                fully_shard(block)
-            step_model = fully_shard(model)
-        else:  # the gradients are views into DDP's buckets: one copy
-            step_model = DDP(model, gradient_as_bucket_view=True)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        generator = torch.Generator().manual_seed(ctx.rank)
-        shape = (batch_size // ctx.world_size, config.block_size)
-        ids = torch.randint(config.vocab_size, shape, generator=generator)
-        targets = torch.randint(config.vocab_size, shape, generator=generator)
-
-        for _ in range(2 if stage == 0 else 1):  # AdamW's moments exist; DDP's buckets rebuilt
-            train_step(step_model, optimizer, ids, targets)
-        kept = [run.local_part(t) for p in model.parameters() for t in (p, p.grad)]
-        kept += [run.local_part(t) for s in optimizer.state.values() for t in s.values()
-                 if torch.is_tensor(t)]
-        state = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                     for t in kept}.values())
-        with AllocationPeak(ignore=kept) as peak:
-            train_step(step_model, optimizer, ids, targets)
-        peaks.append(state + peak.bytes)
-        del step_model, model, optimizer, kept, peak
-    return peaks
 
 
 @pytest.mark.task5_9

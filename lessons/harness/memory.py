@@ -143,21 +143,23 @@ class AllocationPeak(TorchDispatchMode):
 
     It sees every operator torch dispatches (a tensor subclass's, such as a DTensor, by the
     tensors inside it). A storage counts from the first operator that returns a tensor on it
-    until the last tensor on it is gone, at its size at the time, both asked after every
-    operator: a storage resized to nothing (how FSDP frees a gathered parameter) counts nothing
-    until it grows again. A storage from before that an operator returns (a view, an in-place
-    result) counts too, unless it is one of ``ignore``'s tensors': so pass what existed before
-    and stays. It can err either way: high where an older storage is returned, low for what no
-    operator returns (a temporary an operator makes and frees inside itself, such as a
-    DTensor's redistribution; a storage filled outside torch's operators) and for a storage
-    resized between two operators, which counts from the next one."""
+    until the last tensor on it is gone, at its size at the time. The sizes are added up again
+    after each operator that returns a storage that is new or larger than when last added up:
+    only then can the total rise (what is freed meanwhile only lowers it). A storage resized
+    to nothing (how FSDP frees a gathered parameter) counts nothing until it grows again. A
+    storage from before that an operator returns (a view, an in-place result) counts too,
+    unless it is one of ``ignore``'s tensors': so pass what existed before and stays. It can
+    err either way: high where an older storage is returned, low for what no operator returns
+    (a temporary an operator makes and frees inside itself, such as a DTensor's
+    redistribution; a storage filled outside torch's operators) and for a storage resized
+    between two operators, which counts from the next adding up."""
 
     def __init__(self, ignore=()):
         super().__init__()
         self.bytes = 0
-        # StorageImpl address -> (a weak reference, its bytes when seen): an address is stable
-        # while the storage lives, however it is resized.
-        self._live: dict[int, tuple[object, int]] = {}
+        # StorageImpl address -> [a weak reference, its bytes when last added up]: an address
+        # is stable while the storage lives, however it is resized.
+        self._live: dict[int, list] = {}
         # Held, so that no new storage can take their addresses while this is open.
         self._ignored = {}
         for tensor in _plain(tree_leaves(list(ignore))):
@@ -170,21 +172,47 @@ class AllocationPeak(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def live_bytes(self) -> int:
-        self._live = {key: (ref, seen) for key, (ref, seen) in self._live.items()
-                      if not ref.expired()}
-        return sum(_current_nbytes(ref, seen) for ref, seen in self._live.values())
+        """The bytes of the storages it counts that are alive now, at their sizes now."""
+        return self._sweep()
+
+    def _sweep(self) -> int:
+        """Forget the storages that are gone and add up the rest at their sizes now, noting
+        each size: a gone storage's weak pointer gives None."""
+        total, live = 0, {}
+        for key, entry in self._live.items():
+            try:
+                storage = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata)
+            except RuntimeError:  # torch cannot tell: its size when last seen
+                storage = True
+            else:
+                if storage is not None:
+                    entry[1] = storage.nbytes()
+            if storage is not None:
+                live[key] = entry
+                total += entry[1]
+        self._live = live
+        return total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
 
         out = func(*args, **(kwargs or {}))
-        self.live_bytes()  # forget the freed first: a new storage may reuse an old address
+        # The total can rise only where an operator returns a storage that is new, or larger
+        # than when last added up: only then is it added up again (what was freed meanwhile
+        # only lowers it). A new storage may reuse a gone one's address: that entry is replaced.
+        grown = False
         for tensor in _plain(tree_leaves(out)):
             storage = _storage(tensor)
-            if (storage is not None and storage._cdata not in self._live
-                    and storage._cdata not in self._ignored):
-                self._live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-        self.bytes = max(self.bytes, self.live_bytes())
+            if storage is None or storage._cdata in self._ignored:
+                continue
+            entry = self._live.get(storage._cdata)
+            if entry is None or entry[0].expired():
+                self._live[storage._cdata] = [StorageWeakRef(storage), storage.nbytes()]
+                grown = True
+            elif storage.nbytes() != entry[1]:
+                grown = True
+        if grown:
+            self.bytes = max(self.bytes, self._sweep())
         return out
 
 
@@ -199,15 +227,6 @@ def _storage(tensor: torch.Tensor):
     except (RuntimeError, NotImplementedError):
         return None
     return storage
-
-
-def _current_nbytes(ref, seen: int) -> int:
-    """The size now of the storage ``ref`` points to (``seen`` where torch cannot tell)."""
-    try:
-        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-    except RuntimeError:
-        return seen
-    return 0 if storage is None else storage.nbytes()
 
 
 def _plain(leaves):
