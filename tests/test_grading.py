@@ -94,6 +94,41 @@ def test_learner_mode_skips_untouched_stubs_and_prints_progress(demo):
     assert "    pytest lessons/99_demo -m task9_1" in out, out
 
 
+USES_AN_EARLIER_ANSWER = '''
+import pytest
+
+def stub():
+    raise NotImplementedError("task9_1: write the thing")
+
+@pytest.mark.task9_1
+def test_untouched_stub():
+    stub()
+
+@pytest.mark.task9_2
+def test_uses_task9_1s_answer():
+    stub()
+
+@pytest.mark.task9_2
+def test_its_own_part():
+    assert True
+'''
+
+
+def test_a_task_that_uses_an_earlier_untouched_answer_waits_on_it(tmp_path):
+    """task9_2's test reaches task9_1's stub: task9_2 is written, not "not attempted"; the
+    summary says it waits, and the next command is task9_1's, even when only task9_2 ran."""
+    demo = make_demo(tmp_path / "course", USES_AN_EARLIER_ANSWER)
+    run = run_pytest(demo, "-m", "task9_2")
+    out = run.stdout
+    assert run.returncode == 0, out
+    assert ("not attempted yet: task9_1 first: this test of task9_2 uses its answer, still a "
+            "stub (task9_1: write the thing)") in out, out
+    line = next(line for line in out.splitlines() if line.startswith("99_demo"))
+    assert "not attempted: task9_1" in line and "waiting on an earlier task: task9_2" in line, line
+    assert "Next: task9_1 is not attempted yet." in out, out
+    assert "    pytest lessons/99_demo -m task9_1" in out, out
+
+
 def test_strict_mode_fails_untouched_stubs(demo):
     run = run_pytest(demo, COURSE_STRICT="1")
     assert "3 failed" in run.stdout, run.stdout

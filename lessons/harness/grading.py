@@ -98,6 +98,12 @@ def pytest_runtest_makereport(item, call):
     else:
         report.outcome = "skipped"
         path, lineno, _ = item.location
+        own = sorted((mark.name for mark in item.iter_markers() if TASK_MARK.match(mark.name)),
+                     key=_task_order)
+        if own and task not in own:  # this task's test uses an earlier task's answer
+            report.user_properties.append(("waits_on", task))
+            message = (f"{task} first: this test of {', '.join(own)} uses its answer, still a "
+                       f"stub ({message})")
         report.longrepr = (str(item.path), lineno + 1, f"not attempted yet: {message}")
     return report
 
@@ -112,7 +118,7 @@ def _outcome(report) -> str:
 
 
 def _task_status(outcomes: set[str]) -> str:
-    for status in ("failed", "not attempted", "passed"):
+    for status in ("failed", "not attempted", "waiting", "passed"):
         if status in outcomes:
             return status
     return "skipped"
@@ -149,6 +155,10 @@ class ProgressReport:
         lesson = match.group(1)
         tasks = [kw for kw in report.keywords if TASK_MARK.match(kw)]
         outcome = _outcome(report)
+        waits_on = dict(report.user_properties).get("waits_on")
+        if waits_on:  # that task's stub is what stopped this one
+            self.tasks[lesson][waits_on].add("not attempted")
+            outcome = "waiting"
         for task in tasks:
             self.tasks[lesson][task].add(outcome)
         if not tasks:
@@ -168,12 +178,13 @@ class ProgressReport:
             for task in sorted(self.tasks[lesson], key=_task_order):
                 status = _task_status(self.tasks[lesson][task])
                 by_status[status].append(task)
-                if status in ("failed", "not attempted"):
+                if status in ("failed", "not attempted", "waiting"):
                     unfinished.append((lesson, task, status))
             not_run = sorted(self.not_run[lesson] - set(self.tasks[lesson]), key=_task_order)
             total = sum(len(v) for v in by_status.values()) + len(not_run)
             parts = [f"{len(by_status['passed'])}/{total} tasks passed"] if total else []
             for status, label in (("failed", "failing"), ("not attempted", "not attempted"),
+                                  ("waiting", "waiting on an earlier task"),
                                   ("skipped", "skipped for hardware")):
                 if by_status[status]:
                     parts.append(f"{label}: {', '.join(by_status[status])}")
@@ -185,7 +196,8 @@ class ProgressReport:
             write(f"{lesson:<{width}}" + "; ".join(parts))
         if unfinished:
             lesson, task, status = min(unfinished, key=lambda u: _task_order(u[1]))
-            what = "fails" if status == "failed" else "is not attempted yet"
+            what = {"failed": "fails", "not attempted": "is not attempted yet",
+                    "waiting": "waits on an earlier task's answer"}[status]
             write(f"Next: {task} {what}. Edit lessons/{lesson}/exercises.py (search for "
                   f"{task}), then run:")
             write(f"    pytest lessons/{lesson} -m {task}")
