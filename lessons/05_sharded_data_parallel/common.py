@@ -1,7 +1,9 @@
 """What the test files of lesson 05 share: the test model and its batches, the one-process run
 that every data parallel method must reproduce, the memory formula written once more, the
-tensors the collectives are tested on, and each sharded method trained beside DDP on the same
-ranks, with the checks of its steps and of its collectives.
+tensors the collectives are tested on, each sharded method trained beside DDP on the same
+ranks, with the checks of its steps and of its collectives, and what the peak predictors
+(task5_9, task5_10) are held to: torch's count of what a forward keeps, and a step's peak
+measured under every stage.
 
 The test model is the running example at a small size without biases: a key projection's bias
 has no gradient at all in exact arithmetic, so AdamW would step on rounding noise there and two
@@ -604,7 +606,7 @@ def peaks_on_rank(ctx, cases: list) -> list[int]:
         model = model_of(config, checkpoint)
         step_model = model
         if stage in (1, 2):
-            zero = load_path(SOLUTIONS_DIR / LESSON / "exercises.py")
+            zero = load_path(reference_answers())
             optimizer = (zero.Zero1Optimizer if stage == 1 else zero.Zero2Optimizer)(
                 model.parameters(), lr=1e-3)
         else:
@@ -634,5 +636,16 @@ def peaks_on_rank(ctx, cases: list) -> list[int]:
         peaks.append(state + peak.bytes)
         if stage == 2:
             optimizer.remove()
-        del step_model, model, optimizer, kept, peak
+        del step_model, model, optimizer, inner, kept, peak
     return peaks
+
+
+def reference_answers():
+    """The path of this lesson's reference answers, whose ZeRO-1 and ZeRO-2 the peak tests
+    measure (one implementation for every learner's predictor); a clear error if it is gone."""
+    path = SOLUTIONS_DIR / LESSON / "exercises.py"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path.relative_to(SOLUTIONS_DIR.parent)} is missing: the peak tests measure its "
+            f"Zero1Optimizer and Zero2Optimizer. Restore it: git checkout -- solutions")
+    return path

@@ -452,7 +452,8 @@ def zero_peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 1
     gradients, ZeRO-2's frees its pieces), so only the parameters and this rank's share of the
     moments stay. The backward then trades activations for gradients, block by block: at its
     start the rank holds every activation and no gradient, at its end every gradient (whole
-    under ZeRO-1, this rank's pieces under ZeRO-2) and no activation. The peak is at one end:
+    under ZeRO-1, this rank's pieces under ZeRO-2) and no activation. Predict the peak at the
+    larger end:
 
         held + max(activations + the largest of the start's moments,
                    G + the largest of the end's moments)
@@ -465,14 +466,15 @@ def zero_peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 1
     - R, one reduce-scatter of the largest parameter's gradient (your ``reduce_scatter_mean``):
       the gradient padded to ``world_size`` pieces and two pieces (this rank's sum and its
       mean), (W + 2)·⌈P/W⌉ floats; ZeRO-2 reduce-scatters inside the backward, as soon as a
-      gradient is made, so its R holds that whole gradient too: P + (W + 2)·⌈P/W⌉;
+      gradient is made, so its R holds that whole gradient too: P + (W + 2)·⌈P/W⌉. Beside it
+      are the logits, which the caller holds through the step: R + NV;
     - the recomputed block, with ``checkpoint=True``: its activations and the logits,
       N(16C + H + 4 + V);
     - the start's moments: the loss's backward (3NV, as in ``peak_bytes``), the recomputed block
-      (with checkpointing), and R under ZeRO-2;
-    - the end's moments: R (ZeRO-1's ``step()`` reduce-scatters after the backward), and the
-      recomputed block (with checkpointing): the first block is recomputed last, beside nearly
-      every gradient.
+      (with checkpointing), and under ZeRO-2 R + NV;
+    - the end's moments: R + NV (ZeRO-1's ``step()`` reduce-scatters after the backward), and
+      the recomputed block (with checkpointing): the first block is recomputed last, beside
+      nearly every gradient.
 
     A ``stage`` other than 1 or 2, ``world_size`` below 1, or a ``batch_size`` that does not
     split evenly over the ranks raises ``ValueError`` (as ``activation_bytes`` does for the rest).

@@ -32,12 +32,11 @@ CLAUSES = {
             "test_zero_peak_bytes_is_the_texts_sum_for_any_size",
             "test_zero_peak_bytes_predicts_the_measured_peak"],
         "R: the largest parameter padded and two pieces, (W + 2)·⌈P/W⌉; under ZeRO-2 its whole "
-        "gradient too, at the start as well": [
+        "gradient too, at the start as well; beside the logits, R + NV": [
             "test_zero_peak_bytes_is_the_texts_sum_for_any_size",
-            "test_zero_peak_bytes_predicts_the_measured_peak"],
+            "test_zero_peak_bytes_whichever_parameter_is_largest"],
         "P is the largest parameter: an MLP weight, the token embedding and head, or the "
-        "position embedding": ["test_zero_peak_bytes_whichever_parameter_is_largest",
-                               "test_zero_peak_bytes_is_the_texts_sum_for_any_size"],
+        "position embedding": ["test_zero_peak_bytes_whichever_parameter_is_largest"],
         "the loss's backward at the start; with checkpoint=True the recomputed block at both ends":
             ["test_zero_peak_bytes_is_the_texts_sum_for_any_size",
              "test_zero_peak_bytes_predicts_the_measured_peak"],
@@ -67,7 +66,7 @@ def texts_sum(config: GPTConfig, share: int, world: int, stage: int, checkpoint:
               whole_gradients_held: bool = False, start_only: bool = False,
               whole_gradient_in_r: bool | None = None, padded_copy: bool = True,
               pieces_at_the_end: bool | None = None, recompute_at_the_end: bool = True,
-              whole_batch: bool = False, largest=None) -> int:
+              whole_batch: bool = False, logits_beside_r: bool = True, largest=None) -> int:
     """The oracle, written from the text (Ψ and P counted by torch, the activations by its
     saved-tensors hook); each keyword does one part another way, for naming a mistake."""
     model = GPT(config)
@@ -81,6 +80,7 @@ def texts_sum(config: GPTConfig, share: int, world: int, stage: int, checkpoint:
     held = 4 * psi + 8 * -(-psi // world)
     gradients = 4 * (-(-psi // world) if pieces_at_the_end else psi)
     r = (world + 2 if padded_copy else 2) * piece + (largest if whole_gradient_in_r else 0)
+    r += tokens * V if logits_beside_r else 0  # the logits, held by the caller
     recompute = tokens * (16 * C + H + 4 + V) if checkpoint else 0
     activations = kept_by_autograd(config, share * (world if whole_batch else 1), checkpoint)
     start = activations + 4 * max(3 * tokens * V, recompute, r if stage == 2 else 0)
@@ -99,7 +99,8 @@ MISTAKES = (  # (the keywords that make the mistake, what it is)
     (dict(whole_gradient_in_r=False),
      "R without the whole gradient: ZeRO-2 reduce-scatters inside the backward, beside it"),
     (dict(whole_gradient_in_r=True),
-     "R with the whole gradient under ZeRO-1: its step() frees each whole gradient as it goes"),
+     "R with the whole gradient under ZeRO-1: the gradient being reduced is one of G's, "
+     "already counted"),
     (dict(padded_copy=False),
      "R without the padded copy: reduce_scatter_mean pads the gradient to W pieces first"),
     (dict(pieces_at_the_end=False),
@@ -111,6 +112,8 @@ MISTAKES = (  # (the keywords that make the mistake, what it is)
      "every gradient"),
     (dict(whole_batch=True),
      "the activations of the whole batch: a rank's batch is batch_size // world_size"),
+    (dict(logits_beside_r=False),
+     "R alone: the caller holds the logits through the step, NV beside it"),
 )
 
 
@@ -160,7 +163,8 @@ def test_zero_peak_bytes_is_the_texts_sum_for_any_size(ex, heads, head_dim, laye
 def test_zero_peak_bytes_whichever_parameter_is_largest(ex, largest, sizes, stage):
     """To the byte where each kind of parameter is the largest, on 3 ranks, with and without
     checkpointing: sizes where R, the reduce-scatter of the largest, is the moment that counts
-    (at the end; for the position embedding, at ZeRO-2's start: the vocabulary is 2)."""
+    without checkpointing (for the position embedding only under ZeRO-2, at the start: the
+    vocabulary is 2)."""
     config = GPTConfig(**sizes, n_layer=1, n_head=2)
     for checkpoint in (False, True):
         got = predict(ex, config, 3, 3, stage, checkpoint)
@@ -173,8 +177,9 @@ def test_zero_peak_bytes_whichever_parameter_is_largest(ex, largest, sizes, stag
 
 
 # (configuration, sequences in all, checkpointed or not), on 2 ranks: where the backward's
-# start is the peak (the activations and the recomputed block, the loss's backward), where its
-# end is (the gradients: STATE), and where they are close (NO_BIAS).
+# start is the peak (LOSS: the activations and the loss's backward), where its end is (STATE:
+# the gradients; ACTIVATIONS checkpointed, under ZeRO-1: the gradients and the recomputed
+# block), and where each end wins under one stage (NO_BIAS).
 CASES = [(ACTIVATIONS, 8, True), (STATE, 4, False), (LOSS, 4, False), (LOSS, 4, True),
          (NO_BIAS, 6, False), (NO_BIAS, 6, True)]
 WORLD = 2

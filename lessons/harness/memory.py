@@ -143,23 +143,21 @@ class AllocationPeak(TorchDispatchMode):
 
     It sees every operator torch dispatches (a tensor subclass's, such as a DTensor, by the
     tensors inside it). A storage counts from the first operator that returns a tensor on it
-    until the last tensor on it is gone, at its size at the time. The sizes are added up again
-    after each operator that returns a storage that is new or larger than when last added up:
-    only then can the total rise (what is freed meanwhile only lowers it). A storage resized
-    to nothing (how FSDP frees a gathered parameter) counts nothing until it grows again. A
-    storage from before that an operator returns (a view, an in-place result) counts too,
-    unless it is one of ``ignore``'s tensors': so pass what existed before and stays. It can
-    err either way: high where an older storage is returned, low for what no operator returns
-    (a temporary an operator makes and frees inside itself, such as a DTensor's
-    redistribution; a storage filled outside torch's operators) and for a storage resized
-    between two operators, which counts from the next adding up."""
+    until the last tensor on it is gone, at its size at the time, both asked after every
+    operator: a storage resized to nothing (how FSDP frees a gathered parameter) counts nothing
+    until it grows again. A storage from before that an operator returns (a view, an in-place
+    result) counts too, unless it is one of ``ignore``'s tensors': so pass what existed before
+    and stays. It can err either way: high where an older storage is returned, low for what no
+    operator returns (a temporary an operator makes and frees inside itself, such as a
+    DTensor's redistribution; a storage filled outside torch's operators) and for a storage
+    resized between two operators, which counts from the next one."""
 
     def __init__(self, ignore=()):
         super().__init__()
         self.bytes = 0
-        # StorageImpl address -> [a weak reference, its bytes when last added up]: an address
-        # is stable while the storage lives, however it is resized.
-        self._live: dict[int, list] = {}
+        # StorageImpl address -> (a weak reference, its bytes when seen): an address is stable
+        # while the storage lives, however it is resized.
+        self._live: dict[int, tuple[object, int]] = {}
         # Held, so that no new storage can take their addresses while this is open.
         self._ignored = {}
         for tensor in _plain(tree_leaves(list(ignore))):
@@ -176,20 +174,19 @@ class AllocationPeak(TorchDispatchMode):
         return self._sweep()
 
     def _sweep(self) -> int:
-        """Forget the storages that are gone and add up the rest at their sizes now, noting
-        each size: a gone storage's weak pointer gives None."""
+        """Forget the storages that are gone and add up the rest at their sizes now, in one
+        pass (it runs after every operator): a gone storage's weak pointer gives None."""
         total, live = 0, {}
         for key, entry in self._live.items():
             try:
                 storage = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata)
-            except RuntimeError:  # torch cannot tell: its size when last seen
-                storage = True
-            else:
-                if storage is not None:
-                    entry[1] = storage.nbytes()
-            if storage is not None:
+            except RuntimeError:  # torch cannot tell: its size when seen
                 live[key] = entry
                 total += entry[1]
+                continue
+            if storage is not None:
+                live[key] = entry
+                total += storage.nbytes()
         self._live = live
         return total
 
@@ -197,22 +194,14 @@ class AllocationPeak(TorchDispatchMode):
         from torch.multiprocessing.reductions import StorageWeakRef
 
         out = func(*args, **(kwargs or {}))
-        # The total can rise only where an operator returns a storage that is new, or larger
-        # than when last added up: only then is it added up again (what was freed meanwhile
-        # only lowers it). A new storage may reuse a gone one's address: that entry is replaced.
-        grown = False
+        total = self._sweep()  # the freed forgotten first: a new storage may reuse an address
         for tensor in _plain(tree_leaves(out)):
             storage = _storage(tensor)
-            if storage is None or storage._cdata in self._ignored:
-                continue
-            entry = self._live.get(storage._cdata)
-            if entry is None or entry[0].expired():
-                self._live[storage._cdata] = [StorageWeakRef(storage), storage.nbytes()]
-                grown = True
-            elif storage.nbytes() != entry[1]:
-                grown = True
-        if grown:
-            self.bytes = max(self.bytes, self._sweep())
+            if (storage is not None and storage._cdata not in self._live
+                    and storage._cdata not in self._ignored):
+                self._live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                total += storage.nbytes()
+        self.bytes = max(self.bytes, total)
         return out
 
 

@@ -2,5 +2,6 @@
 
 TASK = "task5_10"
 EXPECT = r"no recomputed block at the end"
-REPLACE = {"zero_peak_bytes": [("end = memory[\"gradients\"] + 4 * max(reduce_scatter, recompute)",
-                                "end = memory[\"gradients\"] + 4 * reduce_scatter")]}
+REPLACE = {"zero_peak_bytes": [
+    ("end = memory[\"gradients\"] + 4 * max(beside_the_logits, recompute)",
+     "end = memory[\"gradients\"] + 4 * beside_the_logits")]}
