@@ -26,7 +26,7 @@ from harness.compare import assert_close, assert_parameters_close, full_fp32
 from harness.exercises import SOLUTIONS_DIR, load_exercise, load_path
 from harness.launch import QUICK_SAMPLE
 from harness.memory import AllocationPeak, held_bytes
-from harness.ranks import group_params
+from harness.ranks import group_params, run_on_ranks
 
 LESSON = "05_sharded_data_parallel"
 SCRIPT = f"lessons/{LESSON}/train_fsdp.py"
@@ -638,6 +638,30 @@ def peaks_on_rank(ctx, cases: list) -> list[int]:
             optimizer.remove()
         del step_model, model, optimizer, inner, kept, peak
     return peaks
+
+
+PREDICTED_METHODS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP2"}
+
+
+def assert_near_the_measured_peaks(name: str, cases: list, predicted: list, world: int,
+                                   tolerance: float, why: str) -> None:
+    """Measure each case ``(config, batch_size, stage, checkpoint)`` on ``world`` gloo ranks
+    (:func:`peaks_on_rank`; the rank that held the most) and hold the predictions ``name``
+    returned to within ``tolerance`` of it; ``why`` ends the message with what to look at."""
+    measured = [max(by_rank) for by_rank in zip(*run_on_ranks(
+        peaks_on_rank, cases, world_size=world, timeout=240), strict=True)]
+    wrong = []
+    for (config, batch, stage, checkpoint), want, got in zip(cases, measured, predicted,
+                                                             strict=True):
+        method = PREDICTED_METHODS[stage] + (", checkpointed" if checkpoint else "")
+        if not isinstance(got, int):
+            wrong.append(f"{method}: {name} returned {got!r}, not an int")
+        elif abs(got / want - 1) > tolerance:
+            wrong.append(f"{method}, {batch} sequences in all of GPTConfig({config}): "
+                         f"predicted {got:,}, measured {want:,} ({got / want:.2f}x)")
+    assert not wrong, (
+        f"{name} on {world} rank(s), off by more than {tolerance:.0%} of the measured peak:\n  "
+        + "\n  ".join(wrong) + f"\n({why})")
 
 
 def reference_answers():

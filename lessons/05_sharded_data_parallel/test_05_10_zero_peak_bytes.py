@@ -11,9 +11,15 @@ import pytest
 from gpt import GPT, GPTConfig
 
 from harness.exercises import raise_if_untouched
-from harness.ranks import run_on_ranks
 from harness.sweep import st, sweep
-from lesson05.common import ACTIVATIONS, LOSS, NO_BIAS, STATE, kept_by_autograd, peaks_on_rank
+from lesson05.common import (
+    ACTIVATIONS,
+    LOSS,
+    NO_BIAS,
+    STATE,
+    assert_near_the_measured_peaks,
+    kept_by_autograd,
+)
 
 # This task's contract, clause by clause, and the tests that fail when only that clause
 # is broken (tests/test_course.py checks the names).
@@ -49,7 +55,6 @@ CLAUSES = {
 }
 
 TOLERANCE = 0.15  # the reference: 0.91 to 1.04 times the measured peak (see the README)
-METHOD = {1: "ZeRO-1", 2: "ZeRO-2"}
 
 
 def predict(ex, config: GPTConfig, batch_size: int, world: int, stage: int,
@@ -192,22 +197,10 @@ def test_zero_peak_bytes_predicts_the_measured_peak(ex):
              for stage in (1, 2)]
     predicted = [predict(ex, GPTConfig(**config), batch, WORLD, stage, checkpoint)
                  for config, batch, stage, checkpoint in cases]
-    measured = [max(by_rank) for by_rank in zip(*run_on_ranks(
-        peaks_on_rank, cases, world_size=WORLD, timeout=240), strict=True)]
-    wrong = []
-    for (config, batch, stage, checkpoint), want, got in zip(cases, measured, predicted,
-                                                             strict=True):
-        if not isinstance(got, int) or abs(got / want - 1) > TOLERANCE:
-            method = METHOD[stage] + (", checkpointed" if checkpoint else "")
-            wrong.append(f"{method}, {batch} sequences in all of GPTConfig({config}): "
-                         f"predicted {got!r}, measured {want:,} ({got / want:.2f}x)"
-                         if isinstance(got, int) else
-                         f"{method}: zero_peak_bytes returned {got!r}, not an int")
-    assert not wrong, (
-        f"zero_peak_bytes on {WORLD} ranks, off by more than {TOLERANCE:.0%} of the measured "
-        f"peak:\n  " + "\n  ".join(wrong) + "\n(no gradient is held between steps; the peak is "
-        "the larger of the backward's start, every activation, and its end, every gradient: "
-        "whole under ZeRO-1, pieces under ZeRO-2)")
+    assert_near_the_measured_peaks(
+        "zero_peak_bytes", cases, predicted, WORLD, TOLERANCE,
+        "no gradient is held between steps; the peak is the larger of the backward's start, "
+        "every activation, and its end, every gradient: whole under ZeRO-1, pieces under ZeRO-2")
 
 
 @pytest.mark.task5_10

@@ -20,9 +20,9 @@ from lesson05.common import (
     LOSS,
     NO_BIAS,
     STATE,
+    assert_near_the_measured_peaks,
     kept_by_autograd,
     model_of,
-    peaks_on_rank,
     train_step,
 )
 
@@ -236,22 +236,11 @@ def test_peak_bytes_predicts_the_measured_peak(ex, world):
              for stage in (0, 3) for checkpoint in (False, True)]
     predicted = [predict(ex, GPTConfig(**config), batch, world, stage, checkpoint)
                  for config, batch, stage, checkpoint in cases]
-    measured = [max(by_rank) for by_rank in zip(*run_on_ranks(
-        peaks_on_rank, cases, world_size=world, timeout=240), strict=True)]
-    wrong = []
-    for (config, batch, stage, checkpoint), want, got in zip(cases, measured, predicted,
-                                                             strict=True):
-        if not isinstance(got, int) or abs(got / want - 1) > TOLERANCE:
-            method = "FSDP2" if stage == 3 else "DDP"
-            wrong.append(f"{method}{', checkpointed' if checkpoint else ''}, {batch} sequences "
-                         f"in all of GPTConfig({config}): predicted {got!r}, measured "
-                         f"{want:,} ({got / want:.2f}x)" if isinstance(got, int) else
-                         f"{method}: peak_bytes returned {got!r}, not an int")
-    assert not wrong, (
-        f"peak_bytes on {world} rank(s), off by more than {TOLERANCE:.0%} of the measured "
-        f"peak:\n  " + "\n  ".join(wrong) + "\n(a rank's batch is batch_size // world_size; "
-        "the state is memory_per_rank's for the stage; with checkpointing the backward "
-        "recomputes one block whole; FSDP2 holds two blocks and the root gathered)")
+    assert_near_the_measured_peaks(
+        "peak_bytes", cases, predicted, world, TOLERANCE,
+        "a rank's batch is batch_size // world_size; the state is memory_per_rank's for the "
+        "stage; with checkpointing the backward recomputes one block whole; FSDP2 holds two "
+        "blocks and the root gathered")
 
 
 @pytest.mark.task5_9
