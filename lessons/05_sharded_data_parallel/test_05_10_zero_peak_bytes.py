@@ -98,7 +98,7 @@ def texts_sum(config: GPTConfig, share: int, world: int, stage: int, checkpoint:
 MISTAKES = (  # (the keywords that make the mistake, what it is)
     (dict(whole_gradients_held=True),
      "the gradients held through the whole step: these optimizers free them in step(), so "
-     "the backward trades activations for gradients and the peak is at one end"),
+     "the backward trades activations for gradients and the peak comes near one end"),
     (dict(start_only=True),
      "only the backward's start: at its end the rank holds every gradient G and R"),
     (dict(whole_gradient_in_r=False),
