@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import pytest
 import torch
 import torch.distributed.fsdp  # noqa: F401 - imported here once, so that forked ranks have it
 from gpt import GPT, GPTConfig, run
@@ -662,6 +663,20 @@ def assert_near_the_measured_peaks(name: str, cases: list, predicted: list, worl
     assert not wrong, (
         f"{name} on {world} rank(s), off by more than {tolerance:.0%} of the measured peak:\n  "
         + "\n  ".join(wrong) + f"\n({why})")
+
+
+def assert_refuses(predictor, arguments: dict, stage: int, predicts: str) -> None:
+    """``predictor(config, **arguments)`` must raise ``ValueError``: ``arguments`` override a
+    valid call (2 ranks, ``stage``, 16 sequences of the ACTIVATIONS configuration, dropout 0);
+    ``predicts`` names the stages it does predict, for the message."""
+    arguments = {"world_size": 2, "stage": stage, "batch_size": 16, "dropout": 0.0, **arguments}
+    config = GPTConfig(**ACTIVATIONS, dropout=arguments.pop("dropout"))
+    with pytest.raises(ValueError):
+        got = predictor(config, **arguments)
+        raise AssertionError(
+            f"{predictor.__name__}({arguments}, dropout={config.dropout}) returned {got!r}: "
+            f"raise ValueError; it predicts {predicts}, over at least one rank that splits at "
+            f"least one sequence evenly, with dropout 0")
 
 
 def reference_answers():

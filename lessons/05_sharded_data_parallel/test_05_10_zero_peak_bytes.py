@@ -18,6 +18,7 @@ from lesson05.common import (
     NO_BIAS,
     STATE,
     assert_near_the_measured_peaks,
+    assert_refuses,
     kept_by_autograd,
 )
 
@@ -210,11 +211,4 @@ def test_zero_peak_bytes_predicts_the_measured_peak(ex):
     ids=["stage0", "stage3", "negative-stage", "no-rank", "negative-ranks", "uneven",
          "no-sequence", "dropout"])
 def test_zero_peak_bytes_refuses_what_it_does_not_predict(ex, arguments):
-    arguments = {"world_size": 2, "stage": 1, "batch_size": 16, "dropout": 0.0, **arguments}
-    config = GPTConfig(**ACTIVATIONS, dropout=arguments.pop("dropout"))
-    with pytest.raises(ValueError):
-        got = ex.zero_peak_bytes(config, **arguments)
-        raise AssertionError(
-            f"zero_peak_bytes({arguments}, dropout={config.dropout}) returned {got!r}: raise "
-            f"ValueError; it predicts ZeRO-1 (stage 1) and ZeRO-2 (stage 2), over at least one "
-            f"rank that splits at least one sequence evenly, with dropout 0")
+    assert_refuses(ex.zero_peak_bytes, arguments, 1, "ZeRO-1 (stage 1) and ZeRO-2 (stage 2)")

@@ -21,6 +21,7 @@ from lesson05.common import (
     NO_BIAS,
     STATE,
     assert_near_the_measured_peaks,
+    assert_refuses,
     kept_by_autograd,
     model_of,
     train_step,
@@ -250,14 +251,7 @@ def test_peak_bytes_predicts_the_measured_peak(ex, world):
     ids=["stage1", "stage2", "stage4", "no-rank", "negative-ranks", "uneven", "no-sequence",
          "dropout"])
 def test_peak_bytes_refuses_what_it_does_not_predict(ex, arguments):
-    arguments = {"world_size": 2, "stage": 0, "batch_size": 16, "dropout": 0.0, **arguments}
-    config = GPTConfig(**ACTIVATIONS, dropout=arguments.pop("dropout"))
-    with pytest.raises(ValueError):
-        got = ex.peak_bytes(config, **arguments)
-        raise AssertionError(
-            f"peak_bytes({arguments}, dropout={config.dropout}) returned {got!r}: raise "
-            f"ValueError; it predicts DDP (stage 0) and FSDP2 (stage 3), over at least one rank "
-            f"that splits at least one sequence evenly, with dropout 0")
+    assert_refuses(ex.peak_bytes, arguments, 0, "DDP (stage 0) and FSDP2 (stage 3)")
 
 
 @needs_gpus(1, "the peak on a GPU, torch.cuda.max_memory_allocated")

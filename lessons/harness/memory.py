@@ -170,12 +170,9 @@ class AllocationPeak(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def live_bytes(self) -> int:
-        """The bytes of the storages it counts that are alive now, at their sizes now."""
-        return self._sweep()
-
-    def _sweep(self) -> int:
-        """Forget the storages that are gone and add up the rest at their sizes now, in one
-        pass (it runs after every operator): a gone storage's weak pointer gives None."""
+        """The bytes of the storages it counts that are alive now, at their sizes now; the
+        storages gone are forgotten, in the same pass (it runs after every operator): a gone
+        storage's weak pointer gives None."""
         total, live = 0, {}
         for key, entry in self._live.items():
             try:
@@ -194,7 +191,7 @@ class AllocationPeak(TorchDispatchMode):
         from torch.multiprocessing.reductions import StorageWeakRef
 
         out = func(*args, **(kwargs or {}))
-        total = self._sweep()  # the freed forgotten first: a new storage may reuse an address
+        total = self.live_bytes()  # what was there before, at its size now
         for tensor in _plain(tree_leaves(out)):
             storage = _storage(tensor)
             if (storage is not None and storage._cdata not in self._live
