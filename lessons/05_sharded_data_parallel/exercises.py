@@ -402,7 +402,7 @@ def activation_bytes(config, batch_size: int, checkpoint: bool = False) -> int:
 
 # --8<-- [start:peak_bytes]
 def peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 0,
-               checkpoint: bool = False) -> int:
+               checkpoint: bool = False, offload: bool = False) -> int:
     """The most bytes one rank holds during a training step of the running example with AdamW,
     predicted: ``batch_size`` sequences in all, split evenly over ``world_size`` ranks. Stage 0
     is DDP with ``gradient_as_bucket_view=True`` (the gradients are views into its buckets:
@@ -426,15 +426,21 @@ def peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 0,
       prefetched; one if there is one block) and the root's (embeddings, final norm, head),
       which FSDP2 keeps gathered from its forward to its backward.
 
-    A ``stage`` other than 0 or 3, ``world_size`` below 1, or a ``batch_size`` that does not
-    split evenly over the ranks raises ``ValueError`` (as ``activation_bytes`` does for the rest).
+    ``offload=True`` is FSDP2 with ``CPUOffloadPolicy``: the shards, their gradients and AdamW's
+    state live in the CPU's memory, so the peak to predict is the GPU's, which holds none of the
+    state: activations + the largest transient + gathered.
+
+    A ``stage`` other than 0 or 3, ``offload`` under a stage other than 3 (only FSDP2 offloads),
+    ``world_size`` below 1, or a ``batch_size`` that does not split evenly over the ranks raises
+    ``ValueError`` (as ``activation_bytes`` does for the rest).
 
     The test checks your sum, to the byte, against the one above for generated sizes (the
     parameters counted by torch, the activations by its saved-tensors hook); then trains the
-    model on 1, 2 and 4 gloo ranks, DDP and FSDP2, with and without checkpointing, on
-    configurations where activations, the state or the loss dominate, and measures each rank's
-    peak (``harness.memory``): the sum must be within 15 % of it (the reference's is within 6 %,
-    10 % in the runs where a reduce-scatter's buffers are freed late).
+    model on 1, 2 and 4 gloo ranks, DDP and FSDP2 (offloaded too, on 2), with and without
+    checkpointing, on configurations where activations, the state or the loss dominate, and
+    measures each rank's peak (``harness.memory``; offloaded, what the step adds beyond the
+    state): the sum must be within 15 % of it (the reference's is within 6 %, 10 % in the runs
+    where a reduce-scatter's buffers are freed late).
     """
     raise NotImplementedError("task5_9: state, activations, the largest transient, gathered")
 # --8<-- [end:peak_bytes]

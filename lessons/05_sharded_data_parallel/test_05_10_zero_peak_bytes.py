@@ -194,10 +194,10 @@ WORLD = 2
 @pytest.mark.task5_10
 def test_zero_peak_bytes_predicts_the_measured_peak(ex):
     raise_if_untouched(ex.zero_peak_bytes, ex.activation_bytes)
-    cases = [(config, batch, stage, checkpoint) for config, batch, checkpoint in CASES
+    cases = [(config, batch, stage, checkpoint, False) for config, batch, checkpoint in CASES
              for stage in (1, 2)]
     predicted = [predict(ex, GPTConfig(**config), batch, WORLD, stage, checkpoint)
-                 for config, batch, stage, checkpoint in cases]
+                 for config, batch, stage, checkpoint, _ in cases]
     assert_near_the_measured_peaks(
         "zero_peak_bytes", cases, predicted, WORLD, TOLERANCE,
         "no gradient is held between steps; the peak is the larger of the backward's start, "

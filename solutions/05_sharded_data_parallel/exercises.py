@@ -546,7 +546,7 @@ def activation_bytes(config, batch_size: int, checkpoint: bool = False) -> int:
 
 # --8<-- [start:peak_bytes]
 def peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 0,
-               checkpoint: bool = False) -> int:
+               checkpoint: bool = False, offload: bool = False) -> int:
     """The most bytes one rank holds during a training step of the running example with AdamW,
     predicted: ``batch_size`` sequences in all, split evenly over ``world_size`` ranks. Stage 0
     is DDP with ``gradient_as_bucket_view=True`` (the gradients are views into its buckets:
@@ -570,18 +570,26 @@ def peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 0,
       prefetched; one if there is one block) and the root's (embeddings, final norm, head),
       which FSDP2 keeps gathered from its forward to its backward.
 
-    A ``stage`` other than 0 or 3, ``world_size`` below 1, or a ``batch_size`` that does not
-    split evenly over the ranks raises ``ValueError`` (as ``activation_bytes`` does for the rest).
+    ``offload=True`` is FSDP2 with ``CPUOffloadPolicy``: the shards, their gradients and AdamW's
+    state live in the CPU's memory, so the peak to predict is the GPU's, which holds none of the
+    state: activations + the largest transient + gathered.
+
+    A ``stage`` other than 0 or 3, ``offload`` under a stage other than 3 (only FSDP2 offloads),
+    ``world_size`` below 1, or a ``batch_size`` that does not split evenly over the ranks raises
+    ``ValueError`` (as ``activation_bytes`` does for the rest).
 
     The test checks your sum, to the byte, against the one above for generated sizes (the
     parameters counted by torch, the activations by its saved-tensors hook); then trains the
-    model on 1, 2 and 4 gloo ranks, DDP and FSDP2, with and without checkpointing, on
-    configurations where activations, the state or the loss dominate, and measures each rank's
-    peak (``harness.memory``): the sum must be within 15 % of it (the reference's is within 6 %,
-    10 % in the runs where a reduce-scatter's buffers are freed late).
+    model on 1, 2 and 4 gloo ranks, DDP and FSDP2 (offloaded too, on 2), with and without
+    checkpointing, on configurations where activations, the state or the loss dominate, and
+    measures each rank's peak (``harness.memory``; offloaded, what the step adds beyond the
+    state): the sum must be within 15 % of it (the reference's is within 6 %, 10 % in the runs
+    where a reduce-scatter's buffers are freed late).
     """
     if stage not in (0, 3):
         raise ValueError(f"stage must be 0 (DDP) or 3 (FSDP2), not {stage!r}")
+    if offload and stage != 3:
+        raise ValueError(f"only FSDP2 (stage 3) offloads to the CPU, not stage {stage}")
     if world_size < 1 or batch_size < 1 or batch_size % world_size:
         raise ValueError(f"{batch_size} sequences do not split evenly over {world_size} ranks")
     C, H, V, T, L = (config.n_embd, config.n_head, config.vocab_size, config.block_size,
@@ -591,7 +599,7 @@ def peak_bytes(config, batch_size: int, world_size: int = 1, stage: int = 0,
     root = 2 * V * C + T * C + norm
     psi = root + L * block
     tokens = batch_size // world_size * T
-    state = memory_per_rank(psi, world_size, stage)["total"]
+    state = 0 if offload else memory_per_rank(psi, world_size, stage)["total"]  # on the CPU
     activations = activation_bytes(config, batch_size // world_size, checkpoint)
     loss = 3 * tokens * V
     gradient = block if stage == 3 else max(4 * C * C, V * C)
