@@ -319,43 +319,34 @@ def test_peak_bytes_refuses_what_it_does_not_predict(ex, arguments):
                    "DDP (stage 0) and FSDP2 (stage 3), offloaded only under FSDP2")
 
 
+GPU_SIZE = dict(vocab_size=65, block_size=256, n_layer=8, n_head=8, n_embd=384)
+
+
 @needs_gpus(1, "the peak on a GPU, torch.cuda.max_memory_allocated")
 @pytest.mark.task5_9
-@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
-def test_peak_bytes_on_a_gpu(ex, checkpoint):
-    """The size worth a GPU (14M parameters, 256 tokens), one process under DDP: torch's own
-    count of the step's peak. CUDA's attention kernels keep a little more than the CPU's, and
-    the allocator rounds each block up, so the bound is 25 %."""
+@pytest.mark.parametrize("stage, checkpoint, offload", [(0, False, False), (0, True, False),
+                                                         (3, False, True)],
+                         ids=["ddp", "ddp-checkpointed", "fsdp-offloaded"])
+def test_peak_bytes_on_a_gpu(ex, stage, checkpoint, offload):
+    """The size worth a GPU (14M parameters, 256 tokens), one process, under DDP or under FSDP2
+    with ``CPUOffloadPolicy()`` (pinned; the GPU's peak then holds no state): torch's own count
+    of the step's peak. CUDA's attention kernels keep a little more than the CPU's, and the
+    allocator rounds each block up, so the bound is 25 %; offloaded, the shards' copies to the
+    GPU before each all-gather (4 bytes a parameter of a block) are not in the sum either.
+    Written; not yet run on a GPU."""
     raise_if_untouched(ex.peak_bytes, ex.activation_bytes)
-    config = dict(vocab_size=65, block_size=256, n_layer=8, n_head=8, n_embd=384)
-    got = ex.peak_bytes(GPTConfig(**config), 8, world_size=1, stage=0, checkpoint=checkpoint)
-    want = run_on_ranks(cuda_peak_on_rank, config, 8, checkpoint, False, world_size=1,
+    got = ex.peak_bytes(GPTConfig(**GPU_SIZE), 8, world_size=1, stage=stage,
+                        checkpoint=checkpoint, offload=offload)
+    want = run_on_ranks(cuda_peak_on_rank, GPU_SIZE, 8, checkpoint, offload, world_size=1,
                         backend="nccl", device="cuda", timeout=240)[0]
     assert abs(got / want - 1) <= 0.25, (
-        f"peak_bytes(the gpu size, 8 sequences, checkpoint={checkpoint}) = {got:,}; "
-        f"torch.cuda.max_memory_allocated says {want:,} ({got / want:.2f}x)")
-
-
-@needs_gpus(1, "the peak on a GPU with the state offloaded, torch.cuda.max_memory_allocated")
-@pytest.mark.task5_9
-def test_peak_bytes_offloaded_on_a_gpu(ex):
-    """The same size under FSDP2 with ``CPUOffloadPolicy()`` (pinned), one process: the GPU's
-    peak holds no state, only what a step uses, and the prediction must follow it. The bound
-    is the DDP test's, 25 %, for the same reasons; the shards' copies to the GPU before each
-    all-gather (4 bytes a parameter of a block) are not in the sum. Written; not yet run on a
-    GPU."""
-    raise_if_untouched(ex.peak_bytes, ex.activation_bytes)
-    config = dict(vocab_size=65, block_size=256, n_layer=8, n_head=8, n_embd=384)
-    got = ex.peak_bytes(GPTConfig(**config), 8, world_size=1, stage=3, offload=True)
-    want = run_on_ranks(cuda_peak_on_rank, config, 8, False, True, world_size=1,
-                        backend="nccl", device="cuda", timeout=240)[0]
-    assert abs(got / want - 1) <= 0.25, (
-        f"peak_bytes(the gpu size, 8 sequences, stage=3, offload=True) = {got:,}; "
-        f"torch.cuda.max_memory_allocated says {want:,} ({got / want:.2f}x)")
+        f"peak_bytes(the gpu size, 8 sequences, stage={stage}, checkpoint={checkpoint}, "
+        f"offload={offload}) = {got:,}; torch.cuda.max_memory_allocated says {want:,} "
+        f"({got / want:.2f}x)")
 
 
 def cuda_peak_on_rank(ctx, config: dict, batch_size: int, checkpoint: bool,
-                      offload: bool = False) -> int:
+                      offload: bool) -> int:
     """The peak CUDA memory of the third step, less what was allocated before the model (what
     earlier tests left on this pooled rank): DDP, or FSDP2 with the state offloaded to the CPU
     (the model built there, as an offloaded one must be)."""
