@@ -37,6 +37,10 @@ from harness.memory import AllocationPeak
 from harness.ranks import RankError, run_on_ranks
 from lesson05.common import Tower, tower_step
 
+# torch 2.13 renamed all_gather_into_tensor (the old name now warns); 2.11 and 2.12 have
+# only the old one.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def torchrun_args(*flags: str):
     return run.get_args_parser().parse_args([*flags, "train.py"])
@@ -899,7 +903,7 @@ def test_the_fake_process_group_completes_collectives_without_any_other_rank():
         dist.all_reduce(tensor, async_op=True).wait()
         assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
         gathered = torch.zeros(8)
-        dist.all_gather_into_tensor(gathered, tensor)  # returns too, with no other rank
+        all_gather_single(gathered, tensor)  # returns too, with no other rank
         assert gathered.shape == (8,)
     finally:
         dist.destroy_process_group()
@@ -922,7 +926,7 @@ def test_the_fake_process_group_plays_any_rank_as_if_every_rank_held_its_tensors
         dist.all_reduce(tensor)
         assert tensor.tolist() == [5.0, 6.0]
         gathered = torch.zeros(256)
-        dist.all_gather_into_tensor(gathered, tensor)
+        all_gather_single(gathered, tensor)
         assert gathered.tolist() == [5.0, 6.0] * 128
     finally:
         dist.destroy_process_group()
