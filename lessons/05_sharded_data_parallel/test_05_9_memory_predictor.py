@@ -155,7 +155,7 @@ def test_activation_bytes_refuses_what_it_does_not_count(ex, batch_size, dropout
 
 
 def predict(ex, config: GPTConfig, batch_size: int, world: int, stage: int,
-            checkpoint: bool, offload: bool = False) -> int:
+            checkpoint: bool, offload: bool) -> int:
     """``peak_bytes``, the defaults (one rank, DDP, no checkpointing, no offload) left out where
     they hold."""
     arguments = {name: value for name, value, default in (
@@ -165,7 +165,7 @@ def predict(ex, config: GPTConfig, batch_size: int, world: int, stage: int,
 
 
 def peak_diagnosis(got, parts: dict, config: GPTConfig, share: int, world: int, stage: int,
-                   checkpoint: bool, offload: bool = False) -> str:
+                   checkpoint: bool, offload: bool) -> str:
     """Name the mistake where the answer is the text's sum with one part done another way."""
     want = sum(parts.values())
     whole_batch = kept_by_autograd(config, share * world, checkpoint)
@@ -205,7 +205,7 @@ def peak_diagnosis(got, parts: dict, config: GPTConfig, share: int, world: int, 
 
 
 def texts_sum(config: GPTConfig, batch_size: int, world: int, stage: int,
-              checkpoint: bool, offload: bool = False) -> dict[str, int]:
+              checkpoint: bool, offload: bool) -> dict[str, int]:
     """The oracle, written from the text: the parameters counted by torch, the activations by
     its saved-tensors hook, the rest as the docstring adds it up."""
     model = GPT(config)
