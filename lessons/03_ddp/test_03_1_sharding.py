@@ -16,12 +16,12 @@ from lesson03.common import sampler_indices
 # is broken (tests/test_course.py checks the names).
 CLAUSES = {
     "task3_1": {
+        # The sweep beyond the grid skips while the grid fails (one mistake, one failure),
+        # so it holds no clause alone: it finds what the grid's sizes miss.
         "the same permutation on every rank: a torch.Generator seeded with seed + epoch": [
-            "test_shard_indices_equal_distributed_sampler",
-            "test_shard_indices_equal_distributed_sampler_for_any_split"],
+            "test_shard_indices_equal_distributed_sampler"],
         "the tail padded by repeating indices from the start": [
-            "test_shard_indices_equal_distributed_sampler",
-            "test_shard_indices_equal_distributed_sampler_for_any_split"],
+            "test_shard_indices_equal_distributed_sampler"],
         "or cut, with drop_last": ["test_shard_indices_equal_distributed_sampler"],
         "then every num_replicas-th index starting at rank": [
             "test_shard_indices_equal_distributed_sampler"],
@@ -34,25 +34,46 @@ SWEEP_LENGTHS = (1, 2, 3, 5, 7, 10, 16, 33)
 SWEEP_WORLDS = (1, 2, 3, 4)
 
 
+def grid_mismatch(ex) -> str | None:
+    """The first call on the grid whose answer differs from DistributedSampler's, with the likely
+    mistake; None when every call agrees. The other tests look here first, so that one mistake
+    is one failure, this one, with its diagnosis."""
+    for shuffle in (True, False):
+        for drop_last in (False, True):
+            for length in SWEEP_LENGTHS:
+                for world in SWEEP_WORLDS:
+                    for seed, epoch in ((0, 0), (0, 1), (7, 3)):
+                        for rank in range(world):
+                            call = (f"shard_indices(dataset_len={length}, num_replicas={world}, "
+                                    f"rank={rank}, shuffle={shuffle}, seed={seed}, "
+                                    f"epoch={epoch}, drop_last={drop_last})")
+                            got = ex.shard_indices(length, world, rank, shuffle=shuffle,
+                                                   seed=seed, epoch=epoch, drop_last=drop_last)
+                            want = sampler_indices(length, world, rank, shuffle, seed, epoch,
+                                                   drop_last)
+                            if not isinstance(got, list):
+                                return f"{call} returned {type(got).__name__}, not list"
+                            if [int(i) for i in got] != want:
+                                why = shard_diagnosis(ex, length, world, shuffle, seed, epoch,
+                                                      drop_last)
+                                return (f"{call} = {got}, but DistributedSampler yields {want}"
+                                        + (f". {why}" if why else ""))
+    return None
+
+
+def skip_if_the_grid_fails(ex) -> None:
+    if grid_mismatch(ex) is not None:
+        pytest.skip("shard_indices fails test_shard_indices_equal_distributed_sampler: its "
+                    "message says what to fix first")
+
+
 @pytest.mark.task3_1
-@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffle", "in-order"])
-@pytest.mark.parametrize("drop_last", [False, True], ids=["pad", "drop_last"])
-def test_shard_indices_equal_distributed_sampler(ex, shuffle, drop_last):
-    for length in SWEEP_LENGTHS:
-        for world in SWEEP_WORLDS:
-            for seed, epoch in ((0, 0), (0, 1), (7, 3)):
-                for rank in range(world):
-                    call = (f"shard_indices(dataset_len={length}, num_replicas={world}, "
-                            f"rank={rank}, shuffle={shuffle}, seed={seed}, epoch={epoch}, "
-                            f"drop_last={drop_last})")
-                    got = ex.shard_indices(length, world, rank, shuffle=shuffle, seed=seed,
-                                           epoch=epoch, drop_last=drop_last)
-                    want = sampler_indices(length, world, rank, shuffle, seed, epoch, drop_last)
-                    assert isinstance(got, list), f"{call} returned {type(got).__name__}, not list"
-                    if [int(i) for i in got] != want:
-                        why = shard_diagnosis(ex, length, world, shuffle, seed, epoch, drop_last)
-                        raise AssertionError(f"{call} = {got}, but DistributedSampler yields "
-                                             f"{want}" + (f". {why}" if why else ""))
+def test_shard_indices_equal_distributed_sampler(ex):
+    """Every rank of every length, world size, seed and epoch on a grid, with shuffle and
+    drop_last on and off."""
+    mismatch = grid_mismatch(ex)
+    if mismatch is not None:
+        raise AssertionError(mismatch)
 
 
 @pytest.mark.task3_1
@@ -61,29 +82,33 @@ def test_shard_indices_equal_distributed_sampler(ex, shuffle, drop_last):
        data=st.data(), max_examples=60)
 def test_shard_indices_equal_distributed_sampler_for_any_split(ex, length, world, shuffle,
                                                              drop_last, seed, epoch, data):
-    """Beyond the grid above: longer datasets, more replicas, any seed and epoch."""
+    """Beyond the grid: longer datasets, more replicas, any seed and epoch."""
+    skip_if_the_grid_fails(ex)
     rank = data.draw(st.integers(0, world - 1), label="rank")
     got = ex.shard_indices(length, world, rank, shuffle=shuffle, seed=seed, epoch=epoch,
                            drop_last=drop_last)
     want = sampler_indices(length, world, rank, shuffle, seed, epoch, drop_last)
-    assert [int(i) for i in got] == want, (
-        f"shard_indices(dataset_len={length}, num_replicas={world}, rank={rank}, "
-        f"shuffle={shuffle}, seed={seed}, epoch={epoch}, drop_last={drop_last}) = {got[:12]}"
-        f"{' ...' if len(got) > 12 else ''}, but DistributedSampler yields {want[:12]}"
-        f"{' ...' if len(want) > 12 else ''}")
+    if [int(i) for i in got] != want:
+        why = shard_diagnosis(ex, length, world, shuffle, seed, epoch, drop_last)
+        raise AssertionError(
+            f"shard_indices(dataset_len={length}, num_replicas={world}, rank={rank}, "
+            f"shuffle={shuffle}, seed={seed}, epoch={epoch}, drop_last={drop_last}) = "
+            f"{got[:12]}{' ...' if len(got) > 12 else ''}, but DistributedSampler yields "
+            f"{want[:12]}{' ...' if len(want) > 12 else ''}" + (f". {why}" if why else ""))
 
 
 @pytest.mark.task3_1
-@pytest.mark.parametrize("length, world", [(10, 3), (5, 4)])
-def test_shard_indices_defaults_are_distributed_samplers(ex, length, world):
+def test_shard_indices_defaults_are_distributed_samplers(ex):
     """Called without the keywords, shard_indices is DistributedSampler(dataset, world, rank)."""
-    for rank in range(world):
-        got = ex.shard_indices(length, world, rank)
-        want = list(DistributedSampler(range(length), num_replicas=world, rank=rank))
-        assert [int(i) for i in got] == want, (
-            f"shard_indices({length}, {world}, {rank}) = {got}, but DistributedSampler("
-            f"dataset, {world}, {rank}) yields {want}: keep its defaults, shuffle=True, seed=0, "
-            f"epoch=0, drop_last=False")
+    skip_if_the_grid_fails(ex)
+    for length, world in ((10, 3), (5, 4)):
+        for rank in range(world):
+            got = ex.shard_indices(length, world, rank)
+            want = list(DistributedSampler(range(length), num_replicas=world, rank=rank))
+            assert [int(i) for i in got] == want, (
+                f"shard_indices({length}, {world}, {rank}) = {got}, but DistributedSampler("
+                f"dataset, {world}, {rank}) yields {want}: keep its defaults, shuffle=True, "
+                f"seed=0, epoch=0, drop_last=False")
 
 
 def interleaved(shards: list[list[int]]) -> list[int]:

@@ -13,7 +13,8 @@ learner's run needs:
 
 - the same examples on every run (``derandomize``), a bounded number of them (``max_examples``,
   25 unless the test asks for more), no example database written into the checkout, no
-  deadline (a pooled rank call takes tens of milliseconds);
+  deadline (a pooled rank call takes tens of milliseconds), and no "explain" block after a
+  failure (the grader's own message says what is wrong);
 - an untouched stub is "not attempted", at once: the first ``NotImplementedError`` ends the
   sweep and is raised as it is, without hypothesis shrinking it;
 - where hypothesis is not installed (the GPU machine's image), the test is skipped with that
@@ -60,7 +61,10 @@ def sweep(max_examples: int = 25, shrink: bool = True, **strategies):
                 pytest.skip("needs hypothesis (pip install -r requirements.txt)")
             untouched: list[NotImplementedError] = []
 
-            phases = [phase for phase in Phase if shrink or phase is not Phase.shrink]
+            # No explain phase: its "lines always and only run by failing cases" block is for
+            # the library's authors; a learner's failure is the grader's message alone.
+            phases = [phase for phase in Phase if phase is not Phase.explain
+                      and (shrink or phase is not Phase.shrink)]
             @settings(max_examples=max_examples, derandomize=True, database=None,
                       deadline=None, suppress_health_check=list(HealthCheck), phases=phases)
             @given(**strategies)
