@@ -359,11 +359,11 @@ def build_sharded(config, seed: int = 0, device: str = "cpu") -> nn.Module:
     its shards, holding whatever was in that memory. Then give them the values an eager build
     gives them: ``model.init_weights(generator)`` draws each weight whole from a seeded CPU
     generator, in the eager build's order, and copies it into the parameter; into a sharded
-    parameter (a DTensor) that copy keeps only this rank's rows once the whole tensor is taken
-    as the same on every rank (``torch.distributed.tensor.experimental.implicit_replication``).
+    parameter (a DTensor) it copies this rank's rows of the draw into the local shard.
 
-    Return the model. The test builds GPTs of generated sizes on 2 and 3 ranks and compares
-    every parameter, gathered, and each rank's rows, with ``GPT(config, seed)``'s; checks that
+    Return the model. The test builds GPTs of generated sizes on 2 and 3 ranks, and one whose
+    vocabulary (2 rows) is smaller than its 3 ranks, and compares every parameter, gathered,
+    and each rank's rows, with ``GPT(config, seed)``'s; checks that
     every block and the model are ``fully_shard``-ed; and measures the most bytes a rank holds
     at once while building (``harness.memory.AllocationPeak``): its shards plus at most three
     times the largest parameter (a weight's draw, its scaled copy, and slack), never the whole

@@ -1,6 +1,7 @@
 """Grades task5_8, build_sharded: a GPT built on the meta device, sharded, materialised and
 initialised, against the oracle GPT(config, seed) built eagerly: every parameter gathered and
-each rank's own rows, for generated sizes on 2 and 3 ranks; the fully_shard-ed modules; and the
+each rank's own rows, for generated sizes on 2 and 3 ranks and for a vocabulary of fewer rows
+than ranks (always, not left to the sweep's draw); the fully_shard-ed modules; and the
 most bytes a rank holds at once while building, measured with harness.memory.AllocationPeak.
 
     pytest lessons/05_sharded_data_parallel -m task5_8
@@ -24,7 +25,8 @@ from lesson05.common import LESSON
 CLAUSES = {
     "task5_8": {
         "the result is GPT(config, seed)": ["test_the_sharded_build_is_the_eager_one",
-                                            "test_the_sharded_build_for_any_size"],
+                                            "test_the_sharded_build_for_any_size",
+                                            "test_a_parameter_with_fewer_rows_than_ranks"],
         "seed=0 by default": ["test_the_sharded_build_is_the_eager_one"],
         "sharded as lesson 05 shards it: fully_shard on each block, then on the model":
             ["test_the_sharded_build_is_the_eager_one"],
@@ -152,6 +154,18 @@ def test_the_sharded_build_for_any_size(ex, layers, heads, vocab, bias, world):
     raise_if_untouched(ex.build_sharded)
     check_values(run_on_ranks(build_on_rank, config, 1, world_size=world),
                  f"build_sharded(GPTConfig({config}), 1) on {world} ranks")
+
+
+@pytest.mark.task5_8
+def test_a_parameter_with_fewer_rows_than_ranks(ex):
+    """Always tried, whatever the sweep draws: a vocabulary of 2 on 3 ranks, so the embedding
+    and the head hold 1, 1 and 0 rows. A whole tensor copied into such a DTensor under
+    implicit_replication() raises (DTensor finds no sharding of 2 rows over 3 ranks)."""
+    config = dict(vocab_size=2, block_size=4, n_layer=1, n_head=1, n_embd=5, bias=True)
+    raise_if_untouched(ex.build_sharded)
+    check_values(run_on_ranks(build_on_rank, config, 1, world_size=3),
+                 f"build_sharded(GPTConfig({config}), 1) on 3 ranks, the vocabulary's 2 rows "
+                 f"fewer than the ranks")
 
 
 @pytest.mark.task5_8

@@ -111,6 +111,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _local(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's part: a DTensor's local shard (a view: writing it writes the parameter), or,
+    with ``like``, this rank's piece of the whole ``tensor`` as ``like`` is sharded, cut by
+    DTensor's own rule on every rank (``src_data_rank=None``: no communication). A plain tensor
+    is all of it. (A whole plain tensor copied into the DTensor itself under
+    ``implicit_replication()`` raises where the parameter has fewer rows than ranks.)"""
+    if like is not None and hasattr(like, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+
+        tensor = distribute_tensor(tensor, like.device_mesh, like.placements, src_data_rank=None)
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int = 0):
         super().__init__()
@@ -135,18 +148,20 @@ class GPT(nn.Module):
         Each output projection adds to the residual stream, 2 per block; the scaling keeps the
         stream's variance from growing with depth. Values are drawn where the generator lives
         (a CPU one: the default) and copied, so a seed gives the same model on every device.
+        Into a sharded parameter (a DTensor) each rank draws the whole and copies its own piece
+        into its local shard, even where the parameter has fewer rows than ranks.
         """
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
+                _local(module.weight).fill_(1.0)
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = residual_std if name.endswith(("out_proj", "down_proj")) else 0.02
                 values = torch.randn(module.weight.shape, generator=generator,
                                      device=generator.device)
-                module.weight.copy_(values * std)
+                _local(module.weight).copy_(_local(values * std, like=module.weight))
             if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+                _local(module.bias).zero_()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):

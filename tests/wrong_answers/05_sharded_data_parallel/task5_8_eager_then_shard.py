@@ -8,7 +8,7 @@ REPLACE = {"build_sharded": [
      "        model = GPT(config, seed)  # its own init draws, one weight at a time, onto meta: lost\n",
      "    model = GPT(config, seed)\n"),
     ("    model.to_empty(device=device)  # this rank's shards, uninitialised\n"
-     "    with implicit_replication():  # a whole plain tensor stands for the same one on every rank\n"
-     "        model.init_weights(torch.Generator().manual_seed(seed))  # the eager build's draws\n",
+     "    # The eager build's draws, each whole on every rank; each rank keeps its own rows.\n"
+     "    model.init_weights(torch.Generator().manual_seed(seed))\n",
      "    model.to(device)\n"),
 ]}

@@ -8,11 +8,10 @@ REPLACE = {"build_sharded": [
      "        fully_shard(block)\n"
      "    fully_shard(model)\n"
      "    model.to_empty(device=device)  # this rank's shards, uninitialised\n"
-     "    with implicit_replication():  # a whole plain tensor stands for the same one on every rank\n"
-     "        model.init_weights(torch.Generator().manual_seed(seed))  # the eager build's draws\n",
+     "    # The eager build's draws, each whole on every rank; each rank keeps its own rows.\n"
+     "    model.init_weights(torch.Generator().manual_seed(seed))\n",
      "    model.to_empty(device=device)\n"
-     "    with implicit_replication():\n"
-     "        model.init_weights(torch.Generator().manual_seed(seed))\n"
+     "    model.init_weights(torch.Generator().manual_seed(seed))\n"
      "    for block in model.blocks:\n"
      "        fully_shard(block)\n"
      "    fully_shard(model)\n"),

@@ -4,8 +4,8 @@ does: torch's default initialisation from the global generator, not the GPT's se
 TASK = "task5_8"
 EXPECT = r"differ from GPT\(config, seed\)'s .*not a module's own reset_parameters"
 REPLACE = {"build_sharded": [
-    ("    with implicit_replication():  # a whole plain tensor stands for the same one on every rank\n"
-     "        model.init_weights(torch.Generator().manual_seed(seed))  # the eager build's draws\n",
+    ("    # The eager build's draws, each whole on every rank; each rank keeps its own rows.\n"
+     "    model.init_weights(torch.Generator().manual_seed(seed))\n",
      "    torch.manual_seed(seed)\n"
      "    for module in model.modules():\n"
      "        if hasattr(module, \"reset_parameters\"):\n"
