@@ -317,7 +317,7 @@ def worker(args) -> None:
             "peak_bytes": torch.cuda.max_memory_allocated(device) if use_cuda else None,
             "comm_bytes": counter.bytes, "predicted_comm_bytes": predicted_comm}
         del step, module, optimizer, kept, peak  # the next method's peak starts from nothing
-        gc.collect()  # DDP and FSDP hold the group through reference cycles
+        gc.collect()  # free now what only reference cycles hold: it may hold the group
         if alone:
             dist.barrier()
     dist.barrier()

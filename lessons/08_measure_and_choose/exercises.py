@@ -33,11 +33,11 @@ def bus_bandwidth(op: str, num_bytes: int, seconds: float, world_size: int) -> t
     """``(algorithm bandwidth, bus bandwidth)`` of one collective, in bytes per second.
 
     The algorithm bandwidth is the payload over the time. The bus bandwidth multiplies it by
-    what a rank of a ring sends per byte of payload: 2 (W - 1) / W for ``"all_reduce"``,
-    (W - 1) / W for ``"all_gather"`` and ``"reduce_scatter"``, 1 for ``"broadcast"``: what a
-    bandwidth-optimal ring needs, so that for such algorithms it is comparable across ops and
-    world sizes, and to the link's own speed (the convention of the standard NCCL benchmarks;
-    an implementation that moves more than a ring shows a lower bus bandwidth).
+    the least a rank must send per byte of payload, for a ring, a tree or any algorithm of sends
+    and receives: 2 (W - 1) / W for ``"all_reduce"``, (W - 1) / W for ``"all_gather"`` and
+    ``"reduce_scatter"``, 1 for ``"broadcast"``, so that it is comparable across ops and world
+    sizes, and to the link's own speed (the convention of the standard NCCL benchmarks,
+    nccl-tests' doc/PERFORMANCE.md; an implementation that sends more shows a lower one).
 
     An op not in ``OPS``, ``seconds <= 0``, ``num_bytes < 0`` or ``world_size < 1`` raise
     ``ValueError``. The test checks each op at several world sizes.
@@ -65,7 +65,8 @@ def fit_alpha_beta(sizes: list[int], seconds: list[float], world_size: int) -> t
     beta (at W = 2, 3, 4, 8), noisy points against weighted least squares, and points with 1 %
     of noise, whose alpha an ordinary least-squares line would lose.
     """
-    raise NotImplementedError("task8_1: a least-squares line t = a + b n; alpha, beta from a, b")
+    raise NotImplementedError("task8_1: a line t = a + b n fitted to the relative "
+                              "errors (weights 1 / t**2); alpha, beta from a, b")
 # --8<-- [end:fit_alpha_beta]
 
 

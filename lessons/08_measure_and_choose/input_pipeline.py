@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                             sampler=DistributedSampler(slow, shuffle=True, seed=0))
         path = folder / f"workers-{workers}.json"
         profiled_steps(GPT(config, seed=0), loader, 25, path)  # DDP's default buckets
-        gc.collect()  # DDP's reference cycles hold the group: free this one now
+        gc.collect()  # free now what only reference cycles hold: it may hold the group
         dist.barrier()  # rank 0 has written the trace
         if rank == 0:
             events = json.loads(path.read_text())["traceEvents"]

@@ -173,7 +173,7 @@ def record(args) -> int:
         loader = DataLoader(train_set, args.batch_size, num_workers=args.workers,
                             sampler=DistributedSampler(train_set, shuffle=True, seed=0))
         profiled_steps(GPT(config, seed=0), loader, cap, folder / f"{name}.json")
-        gc.collect()  # DDP's reference cycles hold the group: free this one now
+        gc.collect()  # free now what only reference cycles hold: it may hold the group
         dist.barrier()  # rank 0 has written the trace
         if rank == 0:
             traces[name] = json.loads((folder / f"{name}.json").read_text())["traceEvents"]

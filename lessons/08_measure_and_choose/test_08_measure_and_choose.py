@@ -13,7 +13,7 @@ lessons/08_measure_and_choose -m task8_K``) and here:
 The benchmark scripts run at tiny sizes: their files have every column, op and setting; no
 number is held against a clock here (the README quotes measured runs).
 
-This file holds the lesson's own checks (the README's table, the scripts), which run last.
+This file holds the lesson's own checks (the README's table and hints, the scripts), which run last.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from lesson08.common import (
     LESSON,
     METHODS,
     OPS,
+    README,
     SIZES,
     TINY,
     noisy_times,
@@ -54,6 +55,47 @@ from lesson08.common import (
 def test_the_readme_table_covers_every_method_and_an_error():
     methods = {case["method"] for case in readme_cases()}
     assert methods >= {"one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp", "error"}, methods
+
+
+# ----------------------------------------------------------------------------- the hints
+
+# task8_1's hint, sentence by sentence, and the line of fit_as_the_hint_says that follows each.
+FIT_HINT = ("Weight each point by w = 1 / t²",
+            "n̄ = Σ w n / Σ w and t̄ = Σ w t / Σ w",
+            "b = Σ w (n − n̄)(t − t̄) / Σ w (n − n̄)²",
+            "the intercept a = t̄ − b n̄",
+            "The intercept is the 2 (W − 1) α of the formula, and the slope is its "
+            "2 (W − 1) / W · β")
+
+
+def fit_as_the_hint_says(sizes, seconds, world: int) -> tuple[float, float]:
+    n = torch.tensor(sizes, dtype=torch.float64)
+    t = torch.tensor(seconds, dtype=torch.float64)
+    w = 1 / t**2
+    n_bar, t_bar = (w * n).sum() / w.sum(), (w * t).sum() / w.sum()
+    b = (w * (n - n_bar) * (t - t_bar)).sum() / (w * (n - n_bar) ** 2).sum()
+    a = t_bar - b * n_bar
+    steps = 2 * (world - 1)
+    return float(a) / steps, float(b) / (steps / world)
+
+
+def test_a_learner_who_follows_the_fit_hint_gets_the_graders_line():
+    """The hint of task8_1 says what the grader checks: the line fitted to the relative errors
+    (the oracle of test_08_1), on the grader's own noisy points and on exact ones."""
+    hint = " ".join(README.read_text().split("<summary>Hint (task8_1)</summary>", 1)[1]
+                    .split("</details>", 1)[0].split())
+    for sentence in FIT_HINT:
+        assert sentence in hint, f"the task8_1 hint no longer says {sentence!r}: update FIT_HINT"
+    cases = [(SIZES + SIZES, 4, noisy_times(SIZES + SIZES, 4, 30e-6, 1e-10, 0.1, seed=8)),
+             *((SIZES, 2, noisy_times(SIZES, 2, 20e-6, 1e-9, 0.01, seed=s)) for s in range(4))]
+    for sizes, world, seconds in cases:
+        assert_close(torch.tensor(fit_as_the_hint_says(sizes, seconds, world)),
+                     torch.tensor(relative_least_squares(sizes, seconds, world)),
+                     "the task8_1 hint's fit against the grader's", rtol=1e-6, atol=0)
+    exact = [ring_seconds(n, 3, 25e-6, 1 / 20e9) for n in SIZES]
+    assert_close(torch.tensor(fit_as_the_hint_says(SIZES, exact, 3), dtype=torch.float64),
+                 torch.tensor([25e-6, 1 / 20e9], dtype=torch.float64),
+                 "the task8_1 hint's fit of exact points", rtol=1e-6, atol=0)
 
 
 # ----------------------------------------------------------------------------- the scripts

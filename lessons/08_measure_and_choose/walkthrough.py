@@ -56,7 +56,8 @@ def torchrun(script: str, *args: str) -> dict:
 # ## 1. What one all-reduce costs
 #
 # All-reduces of 1 KiB to 16 MiB on two gloo ranks. Small ones cost a fixed latency; large
-# ones cost bytes over bandwidth. The straight line through them gives alpha and beta.
+# ones cost bytes over bandwidth. The line fitted to their relative errors (task8_1) gives
+# alpha and beta.
 
 # %%
 bench = torchrun("bench_collectives.py", "--ops", "all_reduce", "--max-bytes", str(2**24))

@@ -33,11 +33,11 @@ def bus_bandwidth(op: str, num_bytes: int, seconds: float, world_size: int) -> t
     """``(algorithm bandwidth, bus bandwidth)`` of one collective, in bytes per second.
 
     The algorithm bandwidth is the payload over the time. The bus bandwidth multiplies it by
-    what a rank of a ring sends per byte of payload: 2 (W - 1) / W for ``"all_reduce"``,
-    (W - 1) / W for ``"all_gather"`` and ``"reduce_scatter"``, 1 for ``"broadcast"``: what a
-    bandwidth-optimal ring needs, so that for such algorithms it is comparable across ops and
-    world sizes, and to the link's own speed (the convention of the standard NCCL benchmarks;
-    an implementation that moves more than a ring shows a lower bus bandwidth).
+    the least a rank must send per byte of payload, for a ring, a tree or any algorithm of sends
+    and receives: 2 (W - 1) / W for ``"all_reduce"``, (W - 1) / W for ``"all_gather"`` and
+    ``"reduce_scatter"``, 1 for ``"broadcast"``, so that it is comparable across ops and world
+    sizes, and to the link's own speed (the convention of the standard NCCL benchmarks,
+    nccl-tests' doc/PERFORMANCE.md; an implementation that sends more shows a lower one).
 
     An op not in ``OPS``, ``seconds <= 0``, ``num_bytes < 0`` or ``world_size < 1`` raise
     ``ValueError``. The test checks each op at several world sizes.
