@@ -85,7 +85,9 @@ print(f"counts over unpadded shards: {exact:.4f}   true accuracy: {right.float()
 # defined in a cell fails (the children cannot import it), and `init_process_group` with
 # `world_size=2` in the kernel waits for a partner nobody starts. Keep the distributed code
 # in a script with an `if __name__ == "__main__":` guard, and start it with `torchrun` in a
-# subprocess, with a timeout: a crash or a hang ends the subprocess, not the kernel.
+# subprocess, with a timeout: a crash or a hang ends the subprocess, not the kernel. On a
+# timeout, `subprocess.run` kills torchrun alone (SIGKILL), and its workers run on: give them
+# timeouts of their own, as the doctor has, or send torchrun SIGTERM (lab 14's `--fix`).
 #
 # Here the script is the lesson's doctor, which checks that a barrier and an all-reduce
 # work on 2 ranks and ends with a verdict.

@@ -56,7 +56,7 @@ def demo(fix: bool, folder: str) -> dict:
     train_step(model, optimizer, rank)  # the next step: every rank all-reduces again
     weight = model.module.weight.detach().clone()
     del model, optimizer
-    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    gc.collect()  # free now what only reference cycles hold, before the group goes
     return {"rank": rank, "weight": weight.tolist()}
 
 

@@ -53,7 +53,7 @@ def demo(fix: bool) -> dict:
     dist.barrier()  # "wait for everyone before saving": where rank 0 waits
     weight = model.module.weight.detach().clone()
     del model, optimizer
-    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    gc.collect()  # free now what only reference cycles hold, before the group goes
     return {"rank": rank, "batches": len(batches), "steps": steps, "weight": weight.tolist()}
 
 

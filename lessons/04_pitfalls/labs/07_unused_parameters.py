@@ -65,7 +65,7 @@ def train(steps: int, freeze_aux: bool = False, **ddp_options) -> tuple[float, l
     seconds = (time.perf_counter() - began) / steps
     weights = model.module.head.weight[0, :4].tolist()
     del model, optimizer
-    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    gc.collect()  # free now what only reference cycles hold, before the group goes
     return seconds, weights
 
 

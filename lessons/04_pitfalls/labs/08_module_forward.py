@@ -44,7 +44,7 @@ def demo(fix: bool, steps: int = 3) -> dict:
         optimizer.step()
     weight = model.module.weight[0].tolist()
     del model, optimizer
-    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    gc.collect()  # free now what only reference cycles hold, before the group goes
     return {"rank": rank, "first_gradient": gradients[0], "weight": weight}
 
 

@@ -149,7 +149,7 @@ def demo(fix: bool, folder: str) -> dict:
             lambda: save_atomically(state, path) if fix else torch.save(state, path))
     facts["crash"] = outcome(lambda: torch.load(path, weights_only=True))  # the previous one?
     del model
-    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    gc.collect()  # free now what only reference cycles hold, before the group goes
     return facts
 
 

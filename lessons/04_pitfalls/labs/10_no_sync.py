@@ -89,7 +89,7 @@ def measure(variant: str, k: int) -> dict:
     gap = max((gradients[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
     parameters = sum(p.numel() for p in model.parameters())
     del model
-    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    gc.collect()  # free now what only reference cycles hold, before the group goes
     return {"bucket_all_reduces": counter["buckets"],
             "sync_rounds": counter["elements"] / parameters, "gap_to_full_batch": gap}
 

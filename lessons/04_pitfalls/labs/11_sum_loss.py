@@ -48,7 +48,7 @@ def demo(fix: bool) -> dict:
     nn.functional.mse_loss(single(everything[0]), everything[1], reduction=reduction).backward()
     ratio = (ddp_gradient / single.weight.grad).mean().item()
     del model
-    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    gc.collect()  # free now what only reference cycles hold, before the group goes
     return {"rank": rank, "world_size": world_size, "reduction": reduction, "ratio": ratio}
 
 

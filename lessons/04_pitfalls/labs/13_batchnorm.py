@@ -10,7 +10,8 @@ updates its own running statistics. So DDP is no longer "one GPU with batch W x 
 gradients differ, small per-rank batches give noisy statistics, and the running statistics
 differ between ranks (DDP copies rank 0's buffers to the others at each forward, so the
 saved model keeps statistics of rank 0's data only). ``nn.SyncBatchNorm`` computes the
-statistics over all ranks at every forward; it needs CUDA tensors and the nccl backend.
+statistics over all ranks at every training forward; it needs GPU tensors (CUDA, or XPU and
+HPU): on a CPU it raises.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def demo(fix: bool) -> dict:
     model = make_model()
     if fix:
         if not on_gpu:
-            return {"rank": rank, "skipped": "SyncBatchNorm needs CUDA tensors and the nccl "
-                                              "backend: run on one GPU per rank"}
+            return {"rank": rank, "skipped": "SyncBatchNorm needs GPU tensors (it raises "
+                                              "on a CPU): run on one GPU per rank"}
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     torch.backends.cuda.matmul.allow_tf32 = False  # compared with a CPU run: full fp32
     model = DDP(model.to(device), device_ids=[device.index] if on_gpu else None)
@@ -57,7 +58,7 @@ def demo(fix: bool) -> dict:
     reference = make_model()  # one process, one batch of every rank's samples
     reference(torch.cat([shard(r) for r in range(world_size)])).pow(2).mean().backward()
     del model
-    gc.collect()  # DDP holds the group through reference cycles: free it before the group goes
+    gc.collect()  # free now what only reference cycles hold, before the group goes
     return {"rank": rank, "running_mean": running_mean.tolist(),
             "running_mean_gap": (running_mean - reference[1].running_mean).abs().max().item(),
             "gradient_gap": (gradient - reference[0].weight.grad).abs().max().item()}

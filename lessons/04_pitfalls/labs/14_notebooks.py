@@ -18,9 +18,10 @@ wrong there:
   10 with NCCL).
 
 The fix: keep the training code in a script with a ``__main__`` guard (``%%writefile
-train.py`` in a notebook) and start it with ``torchrun`` as a subprocess with a timeout
-(``subprocess.run([...], timeout=...)`` or ``!torchrun ...``). The kernel stays one process,
-and a crash or a hang ends the subprocess, not the kernel.
+train.py`` in a notebook) and start it with ``torchrun`` as a subprocess, waiting with a
+timeout (``launch_from_notebook`` below). The kernel stays one process. On a timeout, send
+torchrun SIGTERM, which it passes on to its workers: ``subprocess.run(..., timeout=...)`` kills
+torchrun with SIGKILL and leaves the workers running, each in a session of its own.
 """
 
 from __future__ import annotations
@@ -99,12 +100,23 @@ def init_without_partners(timeout: float = 2.0) -> str:
 
 
 def launch_from_notebook(script: Path, nproc: int = 2, timeout: float = 120) -> dict:
-    """The safe pattern: torchrun in a subprocess, with a timeout; returns its output."""
+    """The safe pattern: torchrun in a subprocess, waited for with a timeout; its output.
+    On a timeout torchrun gets SIGTERM, which it passes on to its workers (it waits up to 30 s
+    for them), not the SIGKILL of ``subprocess.run``'s timeout, which would leave them running."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(script)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return {"returncode": run.returncode, "output": run.stdout.strip()}
+    launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        output, _ = launch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launch.terminate()  # SIGTERM: torchrun stops its workers, then exits
+        try:
+            output, _ = launch.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            output, _ = launch.communicate()
+    return {"returncode": launch.returncode, "output": output.strip()}
 
 
 def demo(fix: bool) -> dict:
