@@ -30,14 +30,15 @@ def seeded_counts(seed: int, *shape: int, high: int = 4) -> torch.Tensor:
 
 
 def loop_route(logits: torch.Tensor, k: int, capacity: int | None):
-    """(experts, weights, kept) as lists of lists, token by token; weights differentiable."""
+    """(experts, weights, kept) as lists of lists, token by token; weights differentiable:
+    renormalised over the k chosen for k > 1, each probability itself for k = 1 (Switch)."""
     experts, weights = [], []
     for row in logits:
         probs = torch.exp(row - torch.logsumexp(row, dim=0))
         ranked = sorted(range(len(row)), key=lambda e: -float(probs[e].detach()))[:k]
         total = sum(probs[e] for e in ranked)
         experts.append(ranked)
-        weights.append([probs[e] / total for e in ranked])
+        weights.append([probs[e] / total if k > 1 else probs[e] for e in ranked])
     taken = [0] * logits.shape[1]
     kept = [[False] * k for _ in experts]
     for choice in range(k):  # every token's first choice, then every second choice, ...

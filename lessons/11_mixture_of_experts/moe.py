@@ -30,14 +30,17 @@ from gpt.model import MLP  # noqa: E402 - each expert is the running example's M
 
 
 def route(logits, k, capacity=None):
-    """Top-k of softmax(logits), renormalised; each expert keeps its first `capacity` (task11_1)."""
+    """Top-k of softmax(logits), renormalised for k > 1; each expert keeps its first `capacity`
+    (task11_1)."""
     num_tokens, num_experts = logits.shape
     if not 1 <= k <= num_experts:
         raise ValueError(f"k = {k}: choose 1 to {num_experts} of the {num_experts} experts")
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity = {capacity}: an expert takes 0 or more assignments")
     top, experts = logits.softmax(dim=-1).topk(k, dim=-1)
-    weights = top / top.sum(dim=-1, keepdim=True)  # after the top-k: a token's k weights sum to 1
+    # k > 1: renormalised after the top-k (a token's weights sum to 1); k = 1: p itself, as in
+    # Switch, since p / p = 1 would leave the router no gradient from the loss
+    weights = top / top.sum(dim=-1, keepdim=True) if k > 1 else top
     if capacity is None:
         return experts, weights, torch.ones_like(experts, dtype=torch.bool)
     choice_major = experts.t().reshape(-1)  # every first choice, then every second, ...

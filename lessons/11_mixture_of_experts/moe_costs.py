@@ -15,8 +15,9 @@ the same model is also fitted to those times.
 Then train_ep.py's model (a mixture of experts in every block, the experts split across the
 ranks) trains --steps steps twice, with --aux-weight 0 and with it, nothing dropped (no
 capacity: the router's choice shows whole). Each step records the tokens sent to each expert,
-summed over the ranks; the busiest expert over the mean (1: even) sets the pace, since its rank
-receives the most rows and computes longest.
+summed over the ranks, and the busiest expert over the mean (1: even). A rank's load is the sum
+of its experts': with one expert a rank, that ratio sets the pace; with several, it bounds the
+busiest rank's.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ from lesson11.common import TIGHT, loop_route, seeded
 CLAUSES = {
     "task11_1": {
         "experts: the k largest probabilities, largest first": ["test_route_matches_a_loop"],
-        "weights: the k probabilities renormalised after the top-k, summing to 1":
+        "weights: k >= 2, the k probabilities renormalised after the top-k, summing to 1":
             ["test_route_matches_a_loop"],
+        "weights: k = 1, the probability itself, which gives the router a gradient":
+            ["test_route_matches_a_loop", "test_top_1_weights_give_the_router_a_gradient"],
         "weights differentiable with respect to logits": ["test_route_matches_a_loop"],
         "kept: at most capacity per expert, first choices first, then token order":
             ["test_route_matches_a_loop", "test_capacity_serves_first_choices_first"],
@@ -34,16 +36,52 @@ CLAUSES = {
 def weights_hint(weights: torch.Tensor, logits: torch.Tensor, k: int, kept) -> str:
     """Name the mistake a wrong answer most likely made with the weights."""
     top = logits.softmax(dim=-1).topk(k, dim=-1).values
+    if k == 1 and torch.allclose(weights, torch.ones_like(weights), **TIGHT):
+        return TOP_1_RENORMALISED
     if kept is not None and kept.shape == top.shape and not kept.all():
         over_kept = top * kept / (top * kept).sum(dim=-1, keepdim=True).clamp_min(1e-300)
         if torch.allclose(weights, over_kept, **TIGHT):
-            return (": those are renormalised over the kept experts only; renormalise over "
-                    "all k chosen, before the capacity drops any")
-    if torch.allclose(weights, top, **TIGHT):
-        return (": these are the softmax's probabilities as they are; renormalise them after "
-                "the top-k, so that a token's k weights sum to 1")
-    if not torch.allclose(weights.sum(dim=-1), torch.ones((), dtype=weights.dtype), **TIGHT):
-        return ": a token's k weights must sum to 1"
+            return (": those are renormalised over the kept experts only; the capacity does "
+                    "not change the weights: renormalise over all k chosen (for k > 1), before "
+                    "the capacity drops any")
+    if k > 1 and torch.allclose(weights, top, **TIGHT):
+        return (": these are the softmax's probabilities as they are; for k > 1 renormalise "
+                "them after the top-k, so that a token's k weights sum to 1")
+    if k > 1 and not torch.allclose(weights.sum(dim=-1), torch.ones((), dtype=weights.dtype),
+                                    **TIGHT):
+        return ": for k > 1 a token's k weights must sum to 1"
+    return ""
+
+
+TOP_1_RENORMALISED = (
+    ": with k = 1, renormalising makes every weight p / p = 1, and the loss then gives the "
+    "router no gradient; for k = 1 keep the probability itself (Switch Transformer), and "
+    "renormalise only for k > 1")
+
+
+def capacity_hint(ex, got: list, want_experts: list, capacity, num_experts: int) -> str:
+    """Name the mistake a wrong ``kept`` most likely made; probe ``ex.route`` where one failing
+    case cannot tell two mistakes apart (capacity 0 read as no limit keeps what capacity + 1
+    keeps when no expert has a second assignment)."""
+    if capacity is None:
+        return ""
+    if got == token_major(want_experts, capacity, num_experts):
+        return (": that is token by token (a token's second choice before the next token's "
+                "first); every token's first choice is served before any second")
+    probe = torch.tensor([[1.0, 0.0]] * 3, dtype=torch.float64)  # 3 tokens, all for expert 0
+    try:
+        zero, one = (ex.route(probe, 1, c)[2][:, 0].tolist() for c in (0, 1))
+    except Exception:  # the failure above is the message; this was only a guess at its cause
+        zero = one = None
+    if zero is not None and all(zero):
+        return (": capacity 0 kept every assignment, as if 0 meant no limit; only None means "
+                "no limit (test `capacity is None`, not `not capacity`), and an expert with "
+                "capacity 0 takes nothing")
+    if zero is not None and (sum(zero), sum(one)) == (1, 2):
+        return (": that keeps capacity + 1 per expert (1 at capacity 0, 2 at capacity 1): a "
+                "place in the queue counts from 0; an expert takes at most capacity")
+    if all(all(row) for row in got):
+        return ": nothing was dropped; an expert takes at most capacity assignments"
     return ""
 
 
@@ -92,16 +130,25 @@ def test_route_matches_a_loop(ex, tokens, num_experts, data, seed):
     assert_close(grad, want_grad, f"{where}: the gradient of sum(weights * c) by logits", **TIGHT)
     assert kept.dtype == torch.bool, f"{where}: kept is {kept.dtype}, expected torch.bool"
     if kept.tolist() != want_kept:
-        hint = ""
-        if capacity is not None and kept.tolist() == token_major(want_experts, capacity,
-                                                                 num_experts):
-            hint = (": that is token by token (a token's second choice before the next "
-                    "token's first); every token's first choice is served before any second")
-        elif capacity is not None and kept.tolist() == loop_route(logits, k, capacity + 1)[2]:
-            hint = f": that keeps {capacity + 1} per expert; an expert takes at most capacity"
-        elif capacity is not None and all(all(row) for row in kept.tolist()):
-            hint = ": nothing was dropped; an expert takes at most capacity assignments"
+        hint = capacity_hint(ex, kept.tolist(), want_experts, capacity, num_experts)
         raise AssertionError(f"{where}: kept {kept.tolist()}, expected {want_kept}{hint}")
+
+
+@pytest.mark.task11_1
+def test_top_1_weights_give_the_router_a_gradient(ex):
+    """Switch Transformer's top-1: a token's weight is its expert's probability p, through
+    which the loss moves the router. Renormalised, it would be p / p = 1 for every token, and
+    the router would learn nothing from the loss (only from the load-balancing loss)."""
+    logits = (seeded(3, 6, 4) * 3).requires_grad_(True)
+    _, weights, _ = ex.route(logits, 1)
+    assert weights.requires_grad, (
+        "route(logits, k=1): the weights are not differentiable with respect to logits; keep "
+        "them in the graph")
+    (grad,) = torch.autograd.grad((weights * seeded(4, 6, 1)).sum(), logits)
+    largest = grad.abs().max().item()  # d p / d logit = p (1 - p): far from 0 for these logits
+    assert largest > 1e-3, (
+        f"route(logits, k=1): the weights' gradient by the logits is at most {largest:.1e}"
+        f"{TOP_1_RENORMALISED}")
 
 
 @pytest.mark.task11_1

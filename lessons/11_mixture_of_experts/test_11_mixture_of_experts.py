@@ -6,6 +6,8 @@ gloo/CPU ranks (and on nccl where GPUs are present):
   gate weight, and 0 for an assignment dropped over capacity;
 - the load-balancing loss is Switch Transformer's, E * sum_e f_e P_e, whose gradient flows
   through P alone; it is 1 when the router is uniform;
+- the task loss alone trains the router at k = 1 (the weight is p itself, as in Switch) and
+  at k = 2;
 - expert parallelism (each rank holds E / W experts, the tokens travel to them and back by
   all-to-all) gives each rank the output and the input gradient that the layer in one process
   gives its tokens, the router the sum of every rank's gradient, and each expert, on the rank
@@ -79,6 +81,19 @@ def test_moe_layer_is_the_loop_over_tokens_and_experts(k, capacity_factor):
     if capacity_factor == 0.5:  # half an even share: at least half the assignments go
         assert dropped >= TOKENS * k // 2, f"{dropped} dropped at capacity {capacity}"
         assert capacity == -(-TOKENS * k // 4 // 2), capacity
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_task_loss_gives_the_router_a_gradient(k):
+    """The text: for k = 1 the weight is the probability p itself, "since p / p = 1 would give
+    the router no gradient": the loss, without the load-balancing loss, moves the router at
+    k = 1 as at k = 2."""
+    layer = layer_of(moe_module(), 4, k, None, shun_last=False)
+    out, _ = layer(seeded(6, TOKENS, WIDTH))
+    (out * seeded(7, TOKENS, WIDTH)).sum().backward()
+    largest = layer.router.weight.grad.abs().max().item()
+    assert largest > 1e-3, (f"top-{k}: the router's gradient from the loss is at most "
+                            f"{largest:.1e}: its weights do not depend on the router")
 
 
 def test_load_balancing_loss_is_switchs_formula():
@@ -193,33 +208,89 @@ def test_renormalising_after_top_k_is_a_softmax_over_the_chosen_logits():
                  "the weights against a softmax over the chosen logits", **TIGHT)
 
 
+def at_least_2_14() -> bool:
+    """Where torch changed before 2.14 (2.11 on the course's GPU machine) the claims hold from
+    2.14 on, as the text says; an older torch is only asked what it has kept since."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.14"
+
+
 def torch_a2a_run(ctx, sizes) -> dict:
+    import warnings
+
     import torch.distributed._functional_collectives as ft_c
+    import torch.distributed.nn.functional as nn_functional
 
     moe = moe_module()
     send = sizes[ctx.rank]
     receive = [row[ctx.rank] for row in sizes]
-    found = {}
-    for name in ("course", "torch"):
+    found = {"warned": []}
+    for name in ("course", "all_to_all_single_autograd", "all_to_all_single", "nn.functional"):
         x = seeded(30 + ctx.rank, sum(send), 3).requires_grad_(True)
-        if name == "course":
-            y = moe.AllToAll.apply(x, send, receive)
-        else:
-            y = ft_c.all_to_all_single_autograd(x, receive, send, dist.group.WORLD)
-            y = ft_c.wait_tensor(y)  # an asynchronous collective's result: wait for it
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if name == "course":
+                y = moe.AllToAll.apply(x, send, receive)
+            elif name == "nn.functional":
+                y = nn_functional.all_to_all_single(x.new_empty(sum(receive), 3), x, receive,
+                                                    send)
+            else:
+                y = ft_c.wait_tensor(getattr(ft_c, name)(x, receive, send, dist.group.WORLD))
+        found["warned"] += [name for w in caught if issubclass(w.category, FutureWarning)]
+        if not y.requires_grad:  # not differentiable on this torch
+            found[name] = None
+            continue
         (y * seeded(40 + ctx.rank, sum(receive), 3)).sum().backward()
         found[name] = (y.detach(), x.grad)
     return found
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_torchs_differentiable_all_to_all_agrees(world):
+def test_torchs_differentiable_all_to_alls_agree(world):
+    """The text: in torch 2.14 `_functional_collectives.all_to_all_single` is differentiable,
+    as is its twin `all_to_all_single_autograd`; `nn.functional.all_to_all_single` is too, but
+    deprecated. Each against AllToAll, outputs and gradients, with uneven sizes and zeros."""
     sizes = [[(s + 2 * d) % 3 for d in range(world)] for s in range(world)]
     for rank, found in enumerate(run_on_ranks(torch_a2a_run, sizes, world_size=world)):
-        for got, want, what in zip(found["course"], found["torch"], ("output", "gradient"),
-                                   strict=True):
-            assert_close(got, want, f"rank {rank}: AllToAll's {what} against torch's "
-                         f"_functional_collectives.all_to_all_single_autograd", **TIGHT)
+        if at_least_2_14():
+            assert found["warned"] == ["nn.functional"], (
+                f"rank {rank}: FutureWarning from {found['warned']}, expected only from "
+                f"torch.distributed.nn.functional.all_to_all_single")
+            assert found["all_to_all_single"] is not None, (
+                f"rank {rank}: _functional_collectives.all_to_all_single gave no gradient")
+        for name in ("all_to_all_single_autograd", "all_to_all_single", "nn.functional"):
+            if found[name] is None:  # only before 2.14: the text claims 2.14
+                assert name == "all_to_all_single" and not at_least_2_14(), (rank, name)
+                continue
+            for got, want, what in zip(found[name], found["course"], ("output", "gradient"),
+                                       strict=True):
+                assert_close(got, want, f"rank {rank}: torch's {name}'s {what} against "
+                             f"AllToAll's", **TIGHT)
+
+
+def ddp_broadcast_run(ctx) -> dict:
+    """Each rank's own "experts" (a Linear seeded by its rank), wrapped in plain DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    experts = torch.nn.Linear(3, 3, dtype=torch.float64)
+    with torch.no_grad():
+        experts.weight.copy_(seeded(90 + ctx.rank, 3, 3))
+    before = [p.detach().clone() for p in experts.parameters()]
+    DistributedDataParallel(experts)
+    mine = [p.detach().clone() for p in experts.parameters()]
+    theirs = [torch.zeros_like(p) for p in mine]
+    for own, other in zip(mine, theirs, strict=True):  # rank 0's, as DDP left it
+        dist.broadcast(other.copy_(own), src=0)
+    return {"changed": any(not torch.equal(a, b) for a, b in zip(before, mine, strict=True)),
+            "equal_to_rank_0": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))}
+
+
+def test_plain_ddp_would_overwrite_every_ranks_experts_with_rank_0s():
+    """The text: "Plain DDP would first broadcast process 0's parameters over the others' as it
+    wraps the model" (init_sync, on by default): 2 gloo ranks, each with other weights."""
+    found = run_on_ranks(ddp_broadcast_run, world_size=2)
+    assert not found[0]["changed"], "DDP changed rank 0's own parameters"
+    assert found[1]["changed"] and found[1]["equal_to_rank_0"], (
+        f"rank 1 after wrapping in DDP: {found[1]}; the text says it holds rank 0's parameters")
 
 
 # ------------------------------------------------------------ train_ep.py: the running example

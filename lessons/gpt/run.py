@@ -146,8 +146,9 @@ def mesh_groups(shape: tuple[int, ...]) -> list:
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
     """``init_device_mesh(device_type, shape, mesh_dim_names=names)``, but over
     :func:`mesh_groups`: ``init_device_mesh`` gives the groups of a dimension that does not span
-    every rank no timeout, so on gloo they wait 30 minutes for a missing peer whatever the
-    default group's timeout (tests/test_torch_claims.py asks torch)."""
+    every rank the backend's default timeout, not the default group's (unless its
+    ``backend_override`` passes options that carry one), so on gloo they wait 30 minutes for a
+    missing peer (tests/test_torch_claims.py asks torch)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     groups = mesh_groups(shape)  # first: it refuses a shape that does not hold every rank
@@ -333,7 +334,7 @@ def end_run(args: argparse.Namespace, result: dict, checkpoint=None, rank: int =
         save_checkpoint(checkpoint, args.checkpoint)
     if dist.is_initialized():
         dist.barrier()  # no rank goes on (or reads the checkpoint) before it is complete
-        gc.collect()  # DDP's (FSDP's) reference cycles hold the group: free them first
+        gc.collect()  # a DDP (FSDP) model left in reference cycles holds the group: free it first
         dist.destroy_process_group()
     if args.result is not None and rank == 0:
         write_result(result, args.result)

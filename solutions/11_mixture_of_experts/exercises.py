@@ -27,8 +27,10 @@ def route(logits: torch.Tensor, k: int, capacity: int | None = None):
 
     - ``experts[t]``: token t's k experts, the k largest probabilities ``softmax(logits[t])``
       first (largest first);
-    - ``weights[t]``: those k probabilities **renormalised after the top-k**, so that a token's
-      k weights sum to 1; differentiable with respect to ``logits``;
+    - ``weights[t]``: for k >= 2, those k probabilities **renormalised after the top-k**, so that
+      a token's k weights sum to 1 (GShard, Mixtral); for k = 1, the probability itself (Switch
+      Transformer): renormalised, it would be p / p = 1 and the loss would give the router no
+      gradient. Differentiable with respect to ``logits``;
     - ``kept[t, j]`` (bool): whether expert ``experts[t, j]`` takes the assignment. An expert
       takes at most ``capacity`` assignments (``None``: no limit), first come first served in
       this order: every token's first choice, in token order, then every token's second choice,
@@ -37,7 +39,8 @@ def route(logits: torch.Tensor, k: int, capacity: int | None = None):
     ``k`` outside 1..E raises ``ValueError`` naming k and E; so does a negative ``capacity``.
 
     The test sweeps generated logits, k and capacities against a loop over tokens and experts:
-    the experts and their order, the weights and their gradient, and every kept flag.
+    the experts and their order, the weights and their gradient, and every kept flag; and checks
+    that with k = 1 the weights give the router a gradient.
     """
     num_tokens, num_experts = logits.shape
     if not 1 <= k <= num_experts:
@@ -46,7 +49,8 @@ def route(logits: torch.Tensor, k: int, capacity: int | None = None):
         raise ValueError(f"capacity = {capacity}: an expert takes 0 or more assignments")
     probs = logits.softmax(dim=-1)
     top, experts = probs.topk(k, dim=-1)
-    weights = top / top.sum(dim=-1, keepdim=True)
+    # k = 1 keeps p itself (Switch): p / p = 1 would leave the router no gradient
+    weights = top / top.sum(dim=-1, keepdim=True) if k > 1 else top
     if capacity is None:
         return experts, weights, torch.ones_like(experts, dtype=torch.bool)
     choice_major = experts.t().reshape(-1)  # every first choice, then every second, ...
@@ -160,16 +164,18 @@ def expert_parallel_forward(tokens: torch.Tensor, experts: torch.Tensor, weights
 
     Use this file's ``dispatch_plan``, ``exchange_counts`` and ``AllToAll``: plan, exchange the
     counts, send the rows (one all-to-all), run each local expert once, on every row that
-    arrived for it from any rank, send the results back (a second all-to-all) and put each
-    where its assignment was.
+    arrived for it from any rank (an expert that received no row may be skipped: zero rows
+    change nothing), send the results back (a second all-to-all) and put each where its
+    assignment was.
     Differentiable: the gradients reach ``tokens``, ``weights`` and the local experts'
-    parameters (and only those experts run). A ``local_experts`` of the wrong length raises
+    parameters (and only those experts run); every rank, even one that received nothing, takes
+    part in the backward's two all-to-alls. A ``local_experts`` of the wrong length raises
     ``ValueError`` naming both numbers.
 
     The test compares outputs and every gradient with a loop over all ranks' tokens and every
     expert, on 1, 2 and 4 ranks and a subgroup, top-1 and top-2, with drops, an idle expert, a
-    rank that receives nothing and capacity 0; it checks that each local expert runs once, and
-    counts the all-to-alls and their bytes.
+    rank that receives nothing and capacity 0; it checks that each local expert runs once on
+    all its rows (or not at all when none arrived), and counts the all-to-alls and their bytes.
     """
     world = dist.get_world_size(group)
     mine = num_experts // world
