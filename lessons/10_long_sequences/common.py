@@ -64,22 +64,23 @@ def visible_pairs(positions: torch.Tensor, length: int) -> int:
 
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor (in elements) any operation returns while it is active, and
-    the score blocks: the outputs of matrix products whose last two sizes are ``(queries,
-    keys)`` of some block."""
+    the largest matrix product (the scores of a block of queries and keys are one), with its
+    shape."""
 
     def __init__(self):
         super().__init__()
         self.largest = 0
-        self.shapes: list[tuple[int, ...]] = []
+        self.largest_product: tuple[int, tuple[int, ...]] = (0, ())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(tensor, torch.Tensor):
                 self.largest = max(self.largest, tensor.numel())
-                if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm,
-                                           torch.ops.aten.matmul):
-                    self.shapes.append(tuple(tensor.shape))
+                if (func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm,
+                                            torch.ops.aten.matmul, torch.ops.aten.baddbmm)
+                        and tensor.numel() > self.largest_product[0]):
+                    self.largest_product = (tensor.numel(), tuple(tensor.shape))
         return out
 
 

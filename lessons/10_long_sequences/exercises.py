@@ -89,8 +89,8 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     of a set has lse -inf there, and a zero out row (on one side at most). Returns
     ``(out, lse)``: ``lse = log(exp(lse_a) + exp(lse_b))`` and
     ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``, row by row: exactly what
-    attention over the union of the keys gives. Computed without overflow (lse may be in the
-    hundreds, and differ from row to row: subtract each row's larger lse before
+    attention over the union of the keys gives. Computed without overflow or underflow (lse may
+    be in the hundreds, and differ from row to row: subtract each row's larger lse before
     exponentiating), with no NaN where one side is -inf, and differentiable by autograd (torch
     operations only).
 
@@ -110,8 +110,9 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     which may have come from any rank.
 
     ``q`` (B, H, Tq, D), ``k`` and ``v`` (B, H, Tk, D); ``q_positions`` (Tq,) and
-    ``k_positions`` (Tk,) are the tokens' positions in the whole sequence. ``scale`` defaults to
-    ``1 / sqrt(D)``, as in ``F.scaled_dot_product_attention``. The scores are
+    ``k_positions`` (Tk,) are the tokens' positions in the whole sequence. ``scale``: ``None``
+    means ``1 / sqrt(D)``, as in ``F.scaled_dot_product_attention``; any number given is used,
+    0.0 included. The scores are
     ``q @ k.T * scale``; with ``causal``, the query at position p sees only the keys at
     positions <= p, **global** positions (a block's first key is not position 0), and the
     other scores are -inf. Returns ``(out, lse)``: ``out`` (B, H, Tq, D) the softmax of each
@@ -122,7 +123,8 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     The test checks it against ``F.scaled_dot_product_attention`` with the same mask and
     against the log-sum-exp of the scores, on generated sizes and positions, causal and not,
-    with and without ``scale``, gradients included, with rows that see nothing, and in float32
+    with and without ``scale`` (0.0 too), gradients included, with rows that see nothing, and in
+    float32
     with scores in the hundreds.
     """
     raise NotImplementedError("task10_3: mask by global positions; (softmax @ v, lse), no NaN")
@@ -208,8 +210,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
 
     The test runs 1 to 4 ranks with contiguous and zig-zag splits, causal and not, and
     compares out, lse, the gradient of q and that of this rank's own k and v with
-    ``F.scaled_dot_product_attention`` over the whole sequence; it checks that ``ring_pass``
-    is called W - 1 times, that no step builds more than one block of scores, and that a
+    ``F.scaled_dot_product_attention`` over the whole sequence; it checks that every rank
+    calls ``ring_pass`` W - 1 times (a rank that makes fewer leaves its neighbours waiting: the
+    ring hangs), that no matrix product is larger than one block of scores (T x T per head),
+    that no tensor is larger than that or than one block's keys and values together (k and v
+    stacked for one ``ring_pass`` are fine, the whole sequence's keys are not), and that a
     skipped block costs no scores.
     """
     raise NotImplementedError("task10_5: own block, then W-1 ring_pass steps; attend, merge")

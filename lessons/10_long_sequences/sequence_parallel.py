@@ -244,14 +244,18 @@ def measure(config: dict, batch_size: int, length: int, version: str, seed: int 
         out.mul(c[:, tokens] if sequence_parallel else c).sum().backward()
     expected = out_whole[:, tokens] if sequence_parallel else out_whole
     errors = [(out.detach() - expected).abs().max()]
+    partial = []  # the parameters whose gradient on this rank is only its tokens' share
     for name, p in split.named_parameters():
         grad = p.grad
         if isinstance(grad, DTensor):  # its slices gathered, its partial sums added
+            partial += [name] * any(place.is_partial() for place in grad.placements)
             errors.append((grad.full_tensor() - whole[name]).abs().max())
             continue
         layer = name.rsplit(".", 1)[0]
         column = layer in COLUMN  # its weight's rows and its bias are sliced
         sliced = column or (layer in ROW and name.endswith("weight"))  # a row's bias is whole
+        if not sliced and not torch.allclose(grad, whole[name]):
+            partial.append(name)
         if sequence_parallel and not sliced:
             grad = grad.clone()  # each rank saw its tokens only: the sum is the gradient
             dist.all_reduce(grad)
@@ -266,7 +270,8 @@ def measure(config: dict, batch_size: int, length: int, version: str, seed: int 
     error = torch.stack(errors).max()
     dist.all_reduce(error, op=dist.ReduceOp.MAX)
     return {"max_error": error.item(), "kept_elements": sum(kept), "sent_bytes": sent.bytes,
-            "collectives": sent.calls, "whole_kept_elements": whole_kept}
+            "collectives": sent.calls, "whole_kept_elements": whole_kept,
+            "partial_sums": partial}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -80,11 +80,17 @@ def test_merge_does_not_overflow(ex, level):
     want_out = (torch.exp(a - want_lse)[..., None] * out_a.double()
                 + torch.exp(b - want_lse)[..., None] * out_b.double())
     if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
+        fix = ("subtract each row's larger lse before exponentiating, lse = m + "
+               "log(exp(lse_a - m) + exp(lse_b - m)) with m = max(lse_a, lse_b), element by "
+               "element")
+        if torch.isneginf(lse).any():  # every exponential of a row came out 0
+            raise AssertionError(
+                f"merge_partials returned lse -inf for lse near {level} in float32: a row far "
+                f"below the maximum subtracted underflows (exp(-1000) is 0 in float32, and "
+                f"log(0) is -inf), as with one maximum for the whole tensor: {fix}")
         raise AssertionError(
             f"merge_partials returned inf or NaN for lse near {level} in float32 (e^88 "
-            f"overflows): subtract each row's larger lse before exponentiating, "
-            f"lse = m + log(exp(lse_a - m) + exp(lse_b - m)) with m = max(lse_a, lse_b), "
-            f"element by element")
+            f"overflows): {fix}")
     why = diagnose(out, out_a, out_b, lse, lse_a, lse_b)
     try:
         assert_close(lse, want_lse.float(), f"merge_partials' lse near {level} (float32)",

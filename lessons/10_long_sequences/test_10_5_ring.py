@@ -13,7 +13,7 @@ import torch
 
 from harness.compare import assert_close
 from harness.exercises import load_exercise, raise_if_untouched
-from harness.ranks import run_on_ranks
+from harness.ranks import RankError, get_pool, run_on_ranks
 from lesson10.common import (
     LESSON,
     RING_GROUPS,
@@ -38,7 +38,11 @@ CLAUSES = {
             "test_ring_attention_equals_attention_over_the_whole_sequence"],
         "W - 1 ring_pass steps": ["test_ring_attention_passes_each_block_once_around",
                                   "test_ring_attention_stays_within_its_group"],
+        "every rank makes the same number of passes (else the ring hangs)": [
+            "test_ring_attention_equals_attention_over_the_whole_sequence"],
         "never more than one block of scores at a time": [
+            "test_ring_attention_never_holds_more_than_one_block"],
+        "no tensor above one block's keys and values, or one block of scores": [
             "test_ring_attention_never_holds_more_than_one_block"],
         "causal: a block no query may see is skipped, no scores": [
             "test_ring_attention_skips_the_blocks_no_query_sees"],
@@ -71,11 +75,17 @@ def ring_run(ctx, layout: str, causal: bool, groups=None):
         t.requires_grad_(True)
     counted = {"ring_pass": 0, "attend_block": 0}
     real = {name: getattr(ex, name) for name in counted}
+    stuck: list[str] = []
 
     def counting(name):
         def call(*args, **kwargs):
             counted[name] += 1
-            return real[name](*args, **kwargs)
+            try:
+                return real[name](*args, **kwargs)
+            except Exception as error:
+                if name == "ring_pass":  # its neighbour never joined this pass
+                    stuck.append(str(error).rsplit("] ", 1)[-1][:200])  # gloo's words
+                raise
         return call
 
     for name in counted:
@@ -86,6 +96,11 @@ def ring_run(ctx, layout: str, causal: bool, groups=None):
                 out, lse = ex.ring_attention(q, k, v, mine.to(ctx.device), group)
             else:
                 out, lse = ex.ring_attention(q, k, v, mine.to(ctx.device), group, causal)
+    except Exception:
+        if not stuck:
+            raise
+        # The counts say which rank left the ring early: the parent compares them
+        return {"stuck": stuck[0], "members": members, **counted}
     finally:
         for name, function in real.items():
             setattr(ex, name, function)
@@ -94,7 +109,42 @@ def ring_run(ctx, layout: str, causal: bool, groups=None):
     ((out * c).sum() + (lse * d).sum()).backward()
     return {"out": out.detach(), "lse": lse.detach(), "grad": q.grad, "positions": mine,
             "grad_k": k.grad, "grad_v": v.grad,
-            "members": members, "largest": seen.largest, **counted}
+            "members": members, "largest": seen.largest, "product": seen.largest_product,
+            **counted}
+
+
+HUNG: list[str] = []  # the first ring that hung: every later ring would too, and wait as long
+
+
+def rings(layout: str, causal, groups=None, world_size: int = 2, **where) -> list[dict]:
+    """ring_run on the ranks. A ring that hangs (some rank's ring_pass waits for a neighbour
+    that never joins) fails with the passes each rank made, once: later rings fail at once."""
+    if HUNG:
+        raise AssertionError(f"not run: an earlier ring hung, and this one would wait as long "
+                             f"({HUNG[0]})")
+    try:
+        results = run_on_ranks(ring_run, layout, causal, groups, world_size=world_size,
+                               **where)
+    except RankError as error:  # a hang outside ring_pass: stop the next rings waiting too
+        if "imed out" in str(error) or "did not finish" in str(error):
+            HUNG.append(str(error).splitlines()[0][:300])
+        raise
+    stuck = [rank for rank, got in enumerate(results) if "stuck" in got]
+    if stuck:
+        get_pool(world_size, where.get("backend", "gloo"), where.get("device", "cpu")).close()
+        passes = ", ".join(f"rank {rank}: {got['ring_pass']}" for rank, got in
+                           enumerate(results))
+        world = len(results[stuck[0]]["members"])
+        HUNG.append(f"ring_pass calls per rank: {passes}; every rank must make the same "
+                    f"number of passes, W - 1")
+        raise AssertionError(
+            f"ring_attention hung on {world} ranks: ring_pass on rank(s) {stuck} waited for a "
+            f"neighbour that never joined ({results[stuck[0]]['stuck']}). The ranks called "
+            f"ring_pass this many times ({passes}; a pass still waiting counts). Each pass is "
+            f"a send to the next rank and a receive from the previous one, which both "
+            f"neighbours must join: every rank of the group must make the same number of "
+            f"passes, W - 1 = {world - 1}, whatever its place or which blocks it skips")
+    return results
 
 
 def whole(world: int, causal: bool):
@@ -140,8 +190,7 @@ def needed_blocks(positions: torch.Tensor, world: int, layout: str, causal: bool
 def test_ring_attention_equals_attention_over_the_whole_sequence(ex, group, layout, causal):
     world, backend, device = group
     raise_if_untouched(ex.ring_attention)
-    results = run_on_ranks(ring_run, layout, causal, world_size=world, backend=backend,
-                           device=device)
+    results = rings(layout, causal, world_size=world, backend=backend, device=device)
     out, lse, grad = whole(world, causal)
     for rank, got in enumerate(results):
         mine = got["positions"]
@@ -174,7 +223,7 @@ def test_ring_attention_equals_attention_over_the_whole_sequence(ex, group, layo
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_attention_passes_each_block_once_around(ex, world):
     raise_if_untouched(ex.ring_attention)
-    for rank, got in enumerate(run_on_ranks(ring_run, "zigzag", False, world_size=world)):
+    for rank, got in enumerate(rings("zigzag", False, world_size=world)):
         back = "; a W-th sends each block back where it started" if got["ring_pass"] else ""
         assert got["ring_pass"] == world - 1, (
             f"rank {rank} of {world}: ring_attention called ring_pass {got['ring_pass']} "
@@ -185,14 +234,25 @@ def test_ring_attention_passes_each_block_once_around(ex, world):
 @pytest.mark.task10_5
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_never_holds_more_than_one_block(ex, world):
+    """No product larger than one block of scores; no tensor larger than that or than one
+    block's keys and values together (k and v stacked for one ring_pass are fine). At W = 4 the
+    whole sequence's keys alone are twice that."""
     raise_if_untouched(ex.ring_attention)
     block = BATCH * HEADS * TOKENS * TOKENS  # one block of scores: this rank's queries x keys
-    for rank, got in enumerate(run_on_ranks(ring_run, "contiguous", False, world_size=world)):
-        assert got["largest"] <= block, (
+    keys_and_values = 2 * BATCH * HEADS * TOKENS * HEAD_DIM  # one block's k and v
+    for rank, got in enumerate(rings("contiguous", False, world_size=world)):
+        size, shape = got["product"]
+        assert size <= block, (
+            f"rank {rank} of {world}: a matrix product inside ring_attention built a tensor of "
+            f"{size} elements, {list(shape)}; one block of scores is {block} ({BATCH} x "
+            f"{HEADS} x {TOKENS} queries x {TOKENS} keys). Attend to one block of keys at a "
+            f"time: scores over the whole sequence's keys are what ring attention avoids")
+        assert got["largest"] <= max(block, keys_and_values), (
             f"rank {rank} of {world}: an operation inside ring_attention built a tensor of "
-            f"{got['largest']} elements; one block of scores is {block} ({BATCH} x {HEADS} x "
-            f"{TOKENS} queries x {TOKENS} keys). Keep one block of keys at a time: the whole "
-            f"sequence's keys, or its scores, are what ring attention avoids")
+            f"{got['largest']} elements, more than one block of scores ({block}) and more than "
+            f"one block's keys and values together ({keys_and_values}: {BATCH} x {HEADS} x "
+            f"{TOKENS} tokens x {HEAD_DIM} x 2). Hold one block at a time: the whole "
+            f"sequence's keys or values are what ring attention avoids")
 
 
 @pytest.mark.task10_5
@@ -200,7 +260,7 @@ def test_ring_attention_never_holds_more_than_one_block(ex, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_attention_skips_the_blocks_no_query_sees(ex, world, layout):
     raise_if_untouched(ex.ring_attention)
-    for rank, got in enumerate(run_on_ranks(ring_run, layout, True, world_size=world)):
+    for rank, got in enumerate(rings(layout, True, world_size=world)):
         needed = needed_blocks(got["positions"], world, layout, True)
         assert got["attend_block"] == needed, (
             f"rank {rank} of {world} ({layout} split, causal): attend_block ran "
@@ -217,7 +277,7 @@ def test_ring_attention_skips_the_blocks_no_query_sees(ex, world, layout):
 def test_ring_attention_is_causal_by_default(ex):
     raise_if_untouched(ex.ring_attention)
     out, lse, _ = whole(2, True)
-    for rank, got in enumerate(run_on_ranks(ring_run, "contiguous", None, world_size=2)):
+    for rank, got in enumerate(rings("contiguous", None, world_size=2)):
         assert_close(got["out"], out.index_select(2, got["positions"]),
                      "ring_attention's out with causal left to its default (True)", rank,
                      **TIGHT)
@@ -226,7 +286,7 @@ def test_ring_attention_is_causal_by_default(ex):
 @pytest.mark.task10_5
 def test_ring_attention_stays_within_its_group(ex):
     raise_if_untouched(ex.ring_attention)
-    results = run_on_ranks(ring_run, "zigzag", True, [[0, 2], [1, 3]], world_size=4)
+    results = rings("zigzag", True, [[0, 2], [1, 3]], world_size=4)
     out, lse, grad = whole(2, True)
     for rank, got in enumerate(results):
         assert got["ring_pass"] == 1, (

@@ -71,6 +71,8 @@ def sp_versions(world: int) -> list[dict]:
 
 
 TP, SP, DTENSOR = "tensor parallel", "tensor + sequence parallel", "the same with DTensor"
+NORMS = [f"ln_{i}.{kind}" for i in (1, 2) for kind in ("weight", "bias")]
+ROW_BIASES = ["attn.out_proj.bias", "mlp.down_proj.bias"]
 DP_, TP_, SP_, CP_ = ("data parallel", "tensor parallel", "tensor + sequence parallel",
                       "context parallel")
 
@@ -98,6 +100,11 @@ def test_sequence_parallel_keeps_less_and_sends_the_same_bytes(world):
             f"inputs, means and reciprocal deviations on S / W tokens give "
             f"{2 * B * S * (C + 2) * (world - 1) // world}")
         assert tp[rank]["kept_elements"] < tp[rank]["whole_kept_elements"]
+        # The README: "the layer norms and the row layers' biases (added after the
+        # reduce-scatter) see only the rank's tokens, so their gradients are partial sums"
+        assert tp[rank]["partial_sums"] == [], tp[rank]["partial_sums"]
+        assert sorted(sp[rank]["partial_sums"]) == sorted(NORMS + ROW_BIASES), (
+            sp[rank]["partial_sums"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -108,6 +115,9 @@ def test_dtensor_sequence_parallel_is_the_same_split(world):
     by_hand = [got[SP] for got in sp_versions(world)]
     dtensor = [got[DTENSOR] for got in sp_versions(world)]
     for rank, (mine, theirs) in enumerate(zip(by_hand, dtensor, strict=True)):
+        # The README: "the layer norms' Partial(sum) DTensors added ... (it adds the row layers'
+        # biases before the reduce-scatter, so theirs arrive whole)"
+        assert sorted(theirs["partial_sums"]) == sorted(NORMS), theirs["partial_sums"]
         assert theirs["max_error"] < 1e-12, (
             f"rank {rank}: DTensor's block differs from the unsplit block's output or some "
             f"gradient by {theirs['max_error']:.3g}")
