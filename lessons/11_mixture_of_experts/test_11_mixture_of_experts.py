@@ -247,8 +247,9 @@ def torch_a2a_run(ctx, sizes) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_torchs_differentiable_all_to_alls_agree(world):
     """The text: in torch 2.14 `_functional_collectives.all_to_all_single` is differentiable,
-    as is its twin `all_to_all_single_autograd`; `nn.functional.all_to_all_single` is too, but
-    deprecated. Each against AllToAll, outputs and gradients, with uneven sizes and zeros."""
+    as is its older name `all_to_all_single_autograd`; `nn.functional.all_to_all_single` is
+    too, but deprecated. Each against AllToAll, outputs and gradients, with uneven sizes and
+    zeros."""
     sizes = [[(s + 2 * d) % 3 for d in range(world)] for s in range(world)]
     for rank, found in enumerate(run_on_ranks(torch_a2a_run, sizes, world_size=world)):
         if at_least_2_14():
