@@ -42,7 +42,8 @@ def schedule(kind: str, num_stages: int, num_micro_batches: int) -> list[list[tu
     """Every stage's actions, in the order it runs them: ``result[s]`` is stage s's list.
 
     - ``"gpipe"``: every forward (micro-batches 0, 1, ..., m - 1), then every backward, last
-      micro-batch first (m - 1, ..., 0): the reverse of the forwards, as autograd would;
+      micro-batch first (m - 1, ..., 0), a convention (torch's ScheduleGPipe runs them oldest
+      first, with the same bubble and memory);
     - ``"1f1b"``: stage s first runs ``min(p - s - 1, m)`` forwards (the warm-up: enough to keep
       the stages after it busy), then alternates one forward and one backward, oldest
       micro-batch first, until the forwards run out, then runs the remaining backwards.
