@@ -64,8 +64,8 @@ NEXT_STEPS = {
         "2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 in older releases), and torchfrtrace compares them.",
         "A rank that missed its deadline, or that the launcher stopped, printed the stack of "
         "each of its threads: the line it waited on. In your own script, "
-        "faulthandler.register(signal.SIGUSR1, all_threads=True) at the top lets "
-        "`kill -USR1 <pid>` print them at any time (lesson 09), as `py-spy dump --pid <pid>` "
+        "faulthandler.register(signal.SIGUSR2, all_threads=True) at the top lets "
+        "`kill -USR2 <pid>` print them at any time (lesson 09), as `py-spy dump --pid <pid>` "
         "does from outside, if py-spy is installed.",
     ],
     "crash": [
@@ -207,7 +207,8 @@ class Doctor:
         self.failing = threading.Lock()  # held by the first (and only) failure report
         self.result = {"ok": False, "steps": {}, "failed_step": None, "kind": None}
         signal.signal(signal.SIGTERM, self.on_sigterm)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: the stacks
+        # kill -USR2 <pid>: the stacks (not USR1, which lesson 09's SLURM jobs use as the warning)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
 
     # -- reporting
 

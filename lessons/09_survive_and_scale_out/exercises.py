@@ -229,8 +229,8 @@ class Preemption:
     """Stop every rank at the same step boundary when the scheduler signals any of them.
 
     ``with Preemption() as stop:`` installs a handler for each of ``signals``: by default
-    SIGTERM (what a preempted or cancelled job's processes get) and SIGUSR1 (what
-    ``--signal=USR1@90`` sends before the time limit). The handler only remembers the first
+    SIGTERM (what a preempted or cancelled job's processes get) and SIGUSR1 (the warning before
+    the time limit, as slurm/train.sbatch passes it on). The handler only remembers the first
     signal this process caught: Python runs it between two bytecodes of the main thread,
     perhaps in the middle of a collective's or a save's Python code, so it must not exit,
     communicate or write. Leaving the block puts back the handlers that were there before, also
@@ -245,9 +245,10 @@ class Preemption:
     waiting in the next step's collectives for a rank that has stopped. Once True, it stays
     True.
 
-    ``stop.signal`` is the agreed signal: the largest signal number that the group's ranks had
-    caught when ``requested`` first returned True, 0 before. ``stop.exit_code`` is 128 plus it,
-    the status a shell reports for a process that signal ended (143 for SIGTERM), 0 before.
+    ``stop.signal`` is the agreed signal: the largest of the first signals that the group's
+    ranks had caught when ``requested`` first returned True (a rank's later signals do not count:
+    SIGUSR1 then SIGTERM is SIGUSR1), 0 before. ``stop.exit_code`` is 128 plus it, the status a
+    shell reports for a process that signal ended (143 for SIGTERM), 0 before.
 
     The test delivers signals to some ranks at various steps (2 to 4 ranks, and a subgroup),
     checks that every rank stops at the first boundary after the first delivery, and counts

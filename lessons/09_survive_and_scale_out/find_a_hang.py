@@ -18,9 +18,11 @@ The tools:
       to call (the op, the shapes, the dtypes); the first difference raises on every rank,
       naming both calls. It costs a collective per collective: for debugging only.
   --monitored   dist.monitored_barrier (gloo only) before the step's first collective: rank 0
-      waits at most --monitor-timeout seconds for every rank and names those that did not come.
+      waits at most --monitor-timeout seconds for every rank and names the first that did not
+      come (wait_all_ranks=True would name them all).
   --dump-after  faulthandler prints the stack of every thread of every rank after that many
-      seconds. At any time, kill -USR1 <pid> does the same (each rank prints its pid first).
+      seconds. At any time, kill -USR2 <pid> does the same (each rank prints its pid first;
+      not SIGUSR1, which slurm/train.sbatch passes on as the time-limit warning).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
         print(f"{Path(__file__).name}: error: start it with torchrun --standalone "
               "--nproc-per-node=2 (a hang needs at least two ranks)", file=sys.stderr)
         return 2
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: the stacks
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # kill -USR2 <pid>: the stacks
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     print(f"rank {rank}: pid {os.getpid()}, bug {args.bug!r}, debug "

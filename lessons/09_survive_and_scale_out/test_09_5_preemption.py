@@ -51,8 +51,9 @@ CLAUSES = {
             "test_preemption_records_the_first_signal_and_does_nothing_else"],
         "once True, it stays True": [
             "test_every_rank_stops_at_the_first_boundary_after_any_rank_is_signalled"],
-        "signal: the largest number caught when requested first returned True, 0 before": [
-            "test_every_rank_stops_at_the_first_boundary_after_any_rank_is_signalled"],
+        "signal: the largest of the ranks' first signals when requested first returned True": [
+            "test_every_rank_stops_at_the_first_boundary_after_any_rank_is_signalled",
+            "test_preemption_records_the_first_signal_and_does_nothing_else"],
         "exit_code: 128 plus it, 0 before": [
             "test_every_rank_stops_at_the_first_boundary_after_any_rank_is_signalled",
             "test_preemption_records_the_first_signal_and_does_nothing_else"],
@@ -137,9 +138,9 @@ def check_ranks(got: list[dict], deliveries: list, members: list[int]) -> None:
             f"them caught a signal, on every rank alike, and stay stopped ({said})")
         assert mine["codes"] == codes, (
             f"rank {rank}: (signal, exit_code) per boundary {mine['codes']}, expected {codes}: "
-            f"the agreed signal is the largest that any rank had caught when requested first "
-            f"returned True (each rank's first), fixed from then on; exit_code is 128 plus it, "
-            f"0 before ({said})")
+            f"the agreed signal is the largest of the ranks' first signals when requested first "
+            f"returned True (a rank's later signals do not count), fixed from then on; exit_code "
+            f"is 128 plus it, 0 before ({said})")
         reduces = [call for call in mine["calls"] if call[0] == "all_reduce"]
         assert len(mine["calls"]) == len(reduces) == BOUNDARIES, (
             f"rank {rank} called {mine['calls']} over {BOUNDARIES} boundaries: requested is one "
@@ -290,7 +291,7 @@ def test_preemption_records_the_first_signal_and_does_nothing_else(ex):
     assert seen["after"] == (True, usr1, 128 + usr1), (
         f"sent SIGUSR1 ({usr1}) then SIGTERM ({term}): (requested(), signal, exit_code) is "
         f"{seen['after']}, expected (True, {usr1}, {128 + usr1}): the first signal caught is "
-        f"the one remembered, and exit_code is 128 plus it")
+        f"the one remembered, not the last nor the largest, and exit_code is 128 plus it")
 
 
 @pytest.mark.task9_5

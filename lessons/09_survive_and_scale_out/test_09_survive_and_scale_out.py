@@ -14,6 +14,11 @@ The tasks are graded in test_09_1_exact_resume.py (task9_1), test_09_2_slurm_arg
 - the lesson's scripts resume exactly in-process, and under torchrun: a rank SIGKILLed with a
   restart left is restarted and resumed; with none left, torchrun says which rank died and how;
   two torchrun agents form one group of two nodes and train what one node trains;
+- slurm/srun's stand-in treats signals as srun does (SIGUSR1 to every process of the step,
+  SIGTERM and SIGHUP turned into SIGKILL), so the batch script's stop saves, and a trap that
+  sends srun SIGTERM saves nothing; the batch script passes --cpus-per-task on to srun;
+- monitored_barrier names the first missing rank; the workers' store is rank 0's when the
+  agent's is not shared;
 - a train.pt cut short is not a zip archive, and torch.load refuses it (resume_point relies on it).
 
     pytest lessons/09_survive_and_scale_out/test_09_survive_and_scale_out.py
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import os
 import re
 import shutil
 import signal
@@ -193,8 +199,9 @@ def test_a_slurm_job_of_two_nodes_gives_each_rank_its_place(launches):
 @pytest.mark.slow  # the batch job, twice
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_a_job_signalled_before_its_time_limit_saves_requeues_and_resumes_exactly(launches):
-    """SIGUSR1 to the batch shell (--signal=B:USR1@90) -> SIGTERM to srun -> every node's
-    torchrun -> its ranks: they stop at one step boundary, save it, exit with 143; the job is
+    """SIGUSR1 to the batch shell (--signal=B:USR1@90) -> SIGUSR1 to srun, which forwards it to
+    every process of the step (each node's torchrun and its ranks) -> torchrun, told to handle
+    it, sends it on: the ranks stop at one step boundary, save it, exit with 138; the job is
     requeued, and the batch script, started again, resumes there and trains what one node of
     two processes that never stopped trains."""
     run = launches["runs"]["two nodes"].result()
@@ -202,19 +209,23 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_and_resumes_exactl
     stopped, _, again = run.output.partition("sbatch (stand-in): job 4242 starts again")
     assert again, f"the job was not requeued and started again: {run.output[-3000:]}"
     assert "SIGUSR1 to job 4242's batch shell" in stopped, stopped[-2000:]
-    found = re.findall(r"SIGTERM: stopped after step (\d+), saved; exit code 143", stopped)
+    assert "forcing job termination" not in stopped, (
+        f"srun killed the step: the trap must pass on a signal srun forwards: {stopped[-3000:]}")
+    found = re.findall(r"SIGUSR1: stopped after step (\d+), saved; exit code 138", stopped)
     assert len(found) == 1, f"rank 0 says where every rank stopped, once: {found}\n{stopped}"
     step = int(found[0])
     assert 3 < step < PREEMPTED_STEPS, (
         f"stopped after step {step}: not between step 3 and the last ({PREEMPTED_STEPS})")
-    assert re.search(r"Received (Signals\.)?(SIGTERM|15) death signal, shutting down workers",
-                     stopped), "each node's torchrun passes SIGTERM on to its ranks"
-    assert "(srun exited with 1): requeueing job 4242" in stopped, (
-        "torchrun ends with 1 after a death signal, whatever its ranks returned")
+    assert re.search(r"Received (Signals\.)?(SIGUSR1|10) death signal, shutting down workers",
+                     stopped), "each node's torchrun passes SIGUSR1 on to its ranks"
+    # torchrun ends with 1 after a death signal, whatever its ranks returned; the node whose
+    # torchrun ends second may be given SIGTERM first (--kill-on-bad-exit): 1 or 143.
+    assert re.search(r"\(srun exited with (1|143)\): requeueing job 4242", stopped), (
+        stopped[-2000:])
     assert "job 4242 requeued" in stopped, stopped[-2000:]
     assert f"resumed from {folder / f'step-{step:08d}'}" in again, (
         f"the requeued job resumes where it stopped: {again[-3000:]}")
-    assert "SIGTERM: stopped" not in again and run.returncode == 0, again[-3000:]
+    assert "SIGUSR1: stopped" not in again and run.returncode == 0, again[-3000:]
     reference = run_on_ranks(script_fit_on_rank, "train_preemptible", None, world_size=2,
                              **PREEMPTED_RUN)[0]
     assert run.data["params_sha256"] == reference["digest"], (
@@ -222,12 +233,118 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_and_resumes_exactl
         "one node of two processes that never stopped")
 
 
+@pytest.mark.slow  # the batch job, once
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
+def test_a_trap_that_sends_srun_sigterm_loses_the_step_the_warning_was_for(launches):
+    """The recipe srun breaks: the warning passed on as SIGTERM to srun. srun does not forward
+    SIGTERM, it kills the step with SIGKILL ("forcing job termination": Slurm 24.05,
+    src/srun/srun_job.c, _srun_signal_mgr), and so does its stand-in: no rank saves the step it
+    is at, and the job loses every step since its last periodic checkpoint."""
+    run = launches["runs"]["sigterm to srun"].result()
+    folder = launches["folders"]["sigterm to srun"]
+    assert "SIGUSR1 to job 4243's batch shell" in run.output, run.output[-3000:]
+    assert "forcing job termination" in run.output, (
+        f"SIGTERM to srun: the step must be killed, as srun kills it: {run.output[-3000:]}")
+    assert "stopped after step" not in run.output, (
+        f"a rank stopped and saved after SIGTERM to srun: real srun would have killed it "
+        f"first: {run.output[-3000:]}")
+    assert "(srun exited with 137)" in run.output, run.output[-3000:]
+    saved = sorted(int(path.name.split("-")[1]) for path in folder.glob("step-*"))
+    assert saved and all(step % 3 == 0 for step in saved), (
+        f"checkpoints {saved}: only the periodic ones (--save-every 3), none at the stop")
+
+
+SIGNAL_REPORTER = """
+report() { echo "$1 $2 got $3" >> "$REPORT"; }
+child() {
+    trap 'report child $SLURM_NODEID USR1' USR1; trap 'report child $SLURM_NODEID TERM' TERM
+    echo "child $SLURM_NODEID $BASHPID" >> "$REPORT"
+    while :; do sleep 0.05; done
+}
+trap 'report task $SLURM_NODEID USR1' USR1; trap 'report task $SLURM_NODEID TERM' TERM
+export -f child report
+setsid bash -c child &  # in a session of its own, as torchrun starts its workers
+echo "task $SLURM_NODEID $$" >> "$REPORT"
+while :; do sleep 0.05; done
+"""
+
+
+def srun_stand_in(tmp_path, *options: str):
+    """slurm/srun running SIGNAL_REPORTER on 2 emulated nodes, once both nodes' task and its
+    child have said their pids: (the process, the report file)."""
+    import subprocess
+    import time
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script, report = tmp_path / "task.sh", tmp_path / "report"
+    script.write_text(SIGNAL_REPORTER)
+    process = subprocess.Popen(
+        ["bash", str(REPO_ROOT / f"lessons/{LESSON}/slurm/srun"), *options, "bash", str(script)],
+        env={**os.environ, "REPORT": str(report), "FAKE_SLURM_NODES": "2"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (
+            not report.exists() or len(report.read_text().splitlines()) < 4):
+        time.sleep(0.05)
+    return process, report
+
+
+def running(pid: int) -> bool:
+    """Alive, and not a zombie that nobody has reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def pids_in(report) -> list[int]:
+    return [int(line.split()[2]) for line in report.read_text().splitlines()
+            if not line.split()[2].startswith("got")]
+
+
+def test_the_srun_stand_in_forwards_usr1_to_every_process_and_kills_on_term(tmp_path):
+    """slurm/srun does what srun does (Slurm 24.05: src/srun/srun_job.c, _srun_signal_mgr;
+    slurmstepd signals the step's whole container, src/slurmd/slurmstepd/req.c,
+    _handle_signal_container): SIGUSR1 reaches every process of every node's task, its own
+    session's child too; SIGTERM and SIGHUP reach none of them: every process is SIGKILLed."""
+    import time
+
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        process, report = srun_stand_in(tmp_path / stop.name)
+        try:
+            pids = pids_in(report)
+            assert len(pids) == 4, report.read_text()
+            process.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and report.read_text().count("got USR1") < 4:
+                time.sleep(0.05)
+            got = sorted(line for line in report.read_text().splitlines() if "got" in line)
+            assert got == ["child 0 got USR1", "child 1 got USR1", "task 0 got USR1",
+                           "task 1 got USR1"], got
+            process.send_signal(stop)
+            output, _ = process.communicate(timeout=20)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        assert "forcing job termination" in output, output
+        assert "got TERM" not in report.read_text(), (
+            f"{stop.name} to srun was passed on: srun turns it into SIGKILL")
+        assert process.returncode == 128 + signal.SIGKILL, output
+        deadline = time.monotonic() + 5
+        while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes of the step outlived it: {left}"
+
+
 @pytest.mark.slow
 def test_the_batch_script_starts_one_torchrun_per_node_and_shares_out_the_cpus(tmp_path):
     """The batch script as a cluster runs it, with stand-ins for srun and torchrun: what every
-    node's torchrun is given, and the threads of each of its processes."""
+    node's torchrun is given, the threads of each of its processes, and the CPUs its task may
+    use: srun of Slurm 22.05 and 23.02 (and its stand-in) does not read SLURM_CPUS_PER_TASK, so
+    the script must pass --cpus-per-task to srun itself."""
     fake = tmp_path / "torchrun"
-    fake.write_text('#!/usr/bin/env bash\necho "node $SLURM_NODEID: OMP_NUM_THREADS='
+    fake.write_text('#!/usr/bin/env bash\necho "node $SLURM_NODEID: '
+                    '$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) CPUs, OMP_NUM_THREADS='
                     '$OMP_NUM_THREADS torchrun $*"\n')
     fake.chmod(0o755)
     run = start_script(SBATCH, "--epochs", "1", launcher="bash", result=False, timeout=60,
@@ -237,12 +354,19 @@ def test_the_batch_script_starts_one_torchrun_per_node_and_shares_out_the_cpus(t
                             "FAKE_SLURM_NODES": "2"}).result()
     lines = sorted(line for line in run.output.splitlines() if line.startswith("node "))
     assert len(lines) == 2, run.output
+    cpus = min(16, len(os.sched_getaffinity(0)))  # the stand-in binds at most what it has
     for node, line in enumerate(lines):
-        assert line.startswith(f"node {node}: OMP_NUM_THREADS=4 torchrun --nnodes=2 "
-                               f"--nproc-per-node=4 --rdzv-id=4242 --rdzv-backend=c10d "
-                               f"--rdzv-endpoint=127.0.0.1:24242 --max-restarts=2 "), (
+        assert line.startswith(f"node {node}: {cpus} CPUs, "), (
+            f"the task may use fewer CPUs than --cpus-per-task gives it ({cpus} on this "
+            f"machine): was srun given --cpus-per-task? {line}")
+        assert line.startswith(f"node {node}: {cpus} CPUs, OMP_NUM_THREADS=4 torchrun "
+                               f"--nnodes=2 --nproc-per-node=4 --rdzv-id=4242 "
+                               f"--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:24242 "
+                               f"--max-restarts=2 "), (
             f"16 CPUs for 4 processes per node: 4 threads each, and the node's torchrun "
             f"arguments: {line}")
+        assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 " in line, (
+            f"torchrun must pass SIGUSR1 on, not die of it: {line}")
         assert line.endswith("--save-every 50 --epochs 1"), line
 
 
@@ -418,6 +542,57 @@ def test_monitored_barrier_names_the_straggler_and_the_stacks_show_where_each_ra
     # The watchdog's stacks: rank 0 waits in the barrier, rank 1 is stuck reading its data.
     assert "in monitored_barrier" in ranks[0]["stacks"], ranks[0]["stacks"]
     assert "in load_batch" in ranks[1]["stacks"], ranks[1]["stacks"]
+
+
+def monitored_barrier_on_rank(ctx, wait_all_ranks: bool | None) -> str:
+    """Rank 0 alone calls monitored_barrier: every other rank is missing."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+    if ctx.rank != 0:
+        return ""
+    options = {} if wait_all_ranks is None else {"wait_all_ranks": wait_all_ranks}
+    try:
+        dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=0.5), **options)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_monitored_barrier_names_the_first_missing_rank_unless_told_to_wait_for_all():
+    """09 README: monitored_barrier "names the first rank that did not come (every one with
+    wait_all_ranks=True)": 3 gloo ranks, ranks 1 and 2 missing."""
+    first = run_on_ranks(monitored_barrier_on_rank, None, world_size=3)[0]
+    assert "Rank 1 failed to pass monitoredBarrier" in first and "Rank 2" not in first, first
+    every = run_on_ranks(monitored_barrier_on_rank, True, world_size=3)[0]
+    assert "Ranks 1, 2 failed to pass monitoredBarrier" in every, every
+
+
+def test_the_workers_meet_at_the_agents_store_unless_sharing_is_off(monkeypatch):
+    """09 README, a lost agent: the store the workers meet through "by default the agent of
+    GROUP_RANK 0 hosts it; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ... the worker of rank 0
+    does". The agent's side: the rendezvous shares its store unless the variable is 1; the
+    worker's: told the agent's store is there, rank 0 is a client (nothing to reach here),
+    told it is not, rank 0 starts the server that another process reaches."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from torch.distributed.rendezvous import _create_c10d_store
+
+    from harness.launch import free_port
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    assert DynamicRendezvousHandler.use_agent_store.fget(None)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert not DynamicRendezvousHandler.use_agent_store.fget(None)
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    short = datetime.timedelta(seconds=1)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what the agent says, sharing
+    with pytest.raises(Exception):  # noqa: B017 - a timeout or a refused connection: no server
+        _create_c10d_store("127.0.0.1", port, 0, 1, short)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # sharing off
+    server = _create_c10d_store("127.0.0.1", port, 0, 1, short)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=short)
+    client.set("from a client", "hello")
+    assert server.get("from a client") == b"hello"
 
 
 @pytest.mark.slow  # a torchrun launch

@@ -3,9 +3,10 @@
     torchrun --standalone --nproc-per-node=2 \
         lessons/09_survive_and_scale_out/train_preemptible.py --checkpoint-dir ckpt --save-every 50
 
-SIGTERM (a preempted or cancelled job) or SIGUSR1 (--signal=USR1@90: the time limit is near)
-sent to any rank stops every rank at the next step boundary: they save that step and exit with
-128 + the signal, 143 for SIGTERM. Started again, the run resumes there, bitwise exact.
+SIGTERM (a preempted or cancelled job) or SIGUSR1 (slurm/train.sbatch passes SLURM's warning
+on: the time limit is near) sent to any rank stops every rank at the next step boundary: they
+save that step and exit with 128 + the signal, 143 for SIGTERM. Started again, the run resumes
+there, bitwise exact.
 
 The rest is train_resilient.py's: --bf16 or --fp16 (its GradScaler saved), a checkpoint every
 --save-every steps (or after each epoch) resumed bitwise, and --crash-at-step.
