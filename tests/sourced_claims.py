@@ -12,7 +12,8 @@ again.
 ``sentence``: a few words of the lesson's text, enough to find it (whitespace and line breaks do
 not matter). ``source``: ``torch:<path under torch/>:<function or Class.method>`` for torch;
 anything else (``slurm:``, ``nccl:``, ``paper:``, ``release:`` for a release note or the pull
-request that made a change) is a reference checked by a reader, not a test.
+request that made a change, ``repo:`` for a file of another project at a named commit) is a
+reference checked by a reader, not a test.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 class Sourced:
     lesson: str      # the lesson folder whose README holds the sentence
     sentence: str    # a few words of it, as printed (whitespace-insensitive)
-    source: str      # torch:<path>:<qualified name>, or slurm:/nccl:/paper:/release: <where>
+    source: str      # torch:<path>:<qualified name>, or slurm:/nccl:/paper:/release:/repo: ...
     version: str     # the version that was read: "torch 2.14.1", "Slurm 24.05", "arXiv v2"
     says: str        # what that source says, in one line
 
@@ -38,4 +39,199 @@ CLAIMS: list[Sourced] = [
             "torch 1.9.0 and 1.10.0 release notes",
             "torchrun is an entry point for python -m torch.distributed.run, new in 1.10; "
             "torch.distributed.run came with 1.9"),
+    Sourced("06_tensor_parallel", "but only for random operators on DTensors",
+            "torch:distributed/tensor/_dispatch.py:OpDispatcher._dispatch_get_local_results_slow_path",
+            "torch 2.14.1",
+            "the offset-based RNG tracker is created and entered only while DTensor dispatches an "
+            "operator on DTensor arguments; plain local tensors never reach it"),
+    Sourced("08_measure_and_choose", "for a ring, a tree or any algorithm of sends and receives",
+            "nccl: NVIDIA/nccl-tests doc/PERFORMANCE.md, \"Bus bandwidth\" (AllReduce) and "
+            "\"Summary\"",
+            "nccl-tests master, commit 03a204a",
+            "busbw = algbw x 2(n-1)/n for AllReduce, (n-1)/n for ReduceScatter and AllGather, 1 "
+            "for Broadcast; \"independent of the algorithm used (ring, tree, or other) as long "
+            "as they use point-to-point operations (send/receive)\""),
+    Sourced("08_measure_and_choose", "set to None (the default, and train_amp.py's), each step's "
+            "new gradients are still copied into the buckets",
+            "torch:nn/parallel/distributed.py:DistributedDataParallel",
+            "torch 2.14.1",
+            "the docstring of batched_grad_copy: with optimizer.zero_grad(set_to_none=True) (the "
+            "default) \"gradient_as_bucket_view alone cannot avoid copies because the bucket "
+            "view alias is destroyed every iteration\" (tests/test_torch_claims.py counts them)"),
+    Sourced("07_pipeline_parallel", "runs the pair in turn unless a function is registered for "
+            "OVERLAP_F_B",
+            "torch:distributed/pipelining/schedules.py:_PipelineScheduleRuntime._step_microbatches",
+            "torch 2.14.1",
+            "an action whose type is in _comp_type_to_function_map (filled by "
+            "register_custom_function) runs that function; otherwise an OVERLAP_F_B action runs "
+            "`for sub_a in action.sub_actions: _perform_action(sub_a)`, its forward and backward "
+            "in turn; ScheduleDualPipeV builds OVERLAP_F_B actions"),
+    Sourced("07_pipeline_parallel", "DeepSeek's DualPipe cut in half onto the same V",
+            "paper: deepseek-ai/DualPipe README.md (DualPipe, from the DeepSeek-V3 Technical "
+            "Report, arXiv 2412.19437, section 3.2.1), its \"Schedules\" and \"DualPipeV\" parts",
+            "DualPipe README, commit 89f5de1 and the later version with DualPipeV",
+            "DualPipe \"achieves full overlap of forward and backward computation-communication "
+            "phases\"; in its schedule \"two cells enclosed by a shared black border have "
+            "mutually overlapped computation and communication\"; \"DualPipeV is a concise "
+            "V-shape schedule derived from DualPipe using a 'cut-in-half' procedure, introduced "
+            "by Sea AI Lab\""),
+    Sourced("05_sharded_data_parallel", "On a GPU FSDP2 runs its all-gathers on a stream of "
+            "their own",
+            "torch:distributed/fsdp/_fully_shard/_fsdp_param_group.py:"
+            "FSDPCommContext.get_all_gather_streams",
+            "torch 2.14.1 (the same in 2.11)",
+            "in the forward and before the backward, unless unshard_async_op is set, the "
+            "all-gather's copy-in and the all-gather run on all_gather_copy_in_stream and "
+            "all_gather_stream, not the current (computation's) stream"),
+    Sourced("05_sharded_data_parallel", "FSDPParam.all_gather_inputs copies a group's shards to "
+            "the GPU",
+            "torch:distributed/fsdp/_fully_shard/_fsdp_param.py:FSDPParam.all_gather_inputs",
+            "torch 2.14.1",
+            "with offload_to_cpu, the sharded local tensor is moved .to(self.device, "
+            "non_blocking=True) before it goes into the all-gather"),
+    Sourced("05_sharded_data_parallel", "foreach_reduce copies only this rank's shard of them to "
+            "the CPU",
+            "torch:distributed/fsdp/_fully_shard/_fsdp_collectives.py:foreach_reduce",
+            "torch 2.14.1",
+            "after the reduce-scatter, with fsdp_param.offload_to_cpu, new_sharded_grad (this "
+            "rank's shard) is moved .to(torch.device(\"cpu\")); the whole gradient stays on the "
+            "device"),
+    Sourced("11_mixture_of_experts", "Switch Transformer (k = 1) weighs its expert by p itself",
+            "paper: Fedus, Zoph, Shazeer, Switch Transformers (arXiv 2101.03961), section 2.1, "
+            "equations 1-2 and \"Switch Routing\"",
+            "arXiv 2101.03961",
+            "p_i(x) is the softmax of the router's logits; the layer's output is "
+            "y = sum over the selected T of p_i(x) E_i(x), and Switch routes to a single expert, "
+            "so y = p_i(x) E_i(x) with the raw probability"),
+    Sourced("11_mixture_of_experts", "GShard (top-2) divides its two gates by their sum",
+            "paper: Lepikhin et al., GShard (arXiv 2006.16668), section 2.2, Algorithm 1 "
+            "(group-level top-2 gating)",
+            "arXiv 2006.16668",
+            "Algorithm 1, line 6: g1 <- g1 / (g1 + g2) (\"normalized g1\"); line 16, in the "
+            "second loop: g2 <- g2 / (g1 + g2) (\"normalized g2\")"),
+    Sourced("11_mixture_of_experts", "Mixtral takes a softmax over the k chosen logits",
+            "paper: Jiang et al., Mixtral of Experts (arXiv 2401.04088), section 2.1",
+            "arXiv 2401.04088",
+            "G(x) := Softmax(TopK(x W_g)), TopK setting every logit outside the top k to -inf; "
+            "K = 2 of 8 experts"),
+    Sourced("11_mixture_of_experts", "DeepSeek-V3 scores with a sigmoid, whose values need not "
+            "sum to 1, and normalises among the selected experts",
+            "paper: DeepSeek-AI, DeepSeek-V3 Technical Report (arXiv 2412.19437), section "
+            "2.1.2, equations 13-15",
+            "arXiv 2412.19437",
+            "s_i,t = Sigmoid(u_t^T e_i); g'_i,t = s_i,t for the top K_r, else 0; "
+            "g_i,t = g'_i,t / sum_j g'_j,t: \"applies a normalization among all selected "
+            "affinity scores to produce the gating values\""),
+    Sourced("10_long_sequences", "SDPA's fused kernels keep each block's output and log-sum-exp "
+            "instead",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:"
+            "_scaled_dot_product_ring_flash_attention_backward",
+            "torch 2.14.1",
+            "the CUDA kernels' backwards (flash, memory-efficient, cuDNN, as context parallel "
+            "calls them per block) take query, key, value, out and logsumexp (and the dropout "
+            "RNG state), no probabilities; on the CPU tests/test_torch_claims.py counts what "
+            "the fused kernel saves"),
+    Sourced("01_data_parallel", "The batch is still moved to device_ids[0] (in one chunk) and "
+            "the module is called on it directly; its output is not gathered to output_device",
+            "torch:nn/parallel/data_parallel.py:DataParallel.forward",
+            "torch 2.14.1",
+            "forward scatters the inputs over device_ids before it looks at their number; with "
+            "one id it returns self.module(*inputs[0]) and never calls gather"),
+    Sourced("03_ddp", "NCCL at the first collective, unless given a device_id",
+            "torch:distributed/distributed_c10d.py:init_process_group",
+            "torch 2.14.1",
+            "device_id's docstring: given it, the backend is bound to the device and \"may "
+            "make use of it for eager initialization\"; without it NCCL creates its "
+            "communicator at the first collective"),
+    Sourced("00_single_gpu", "torch 2.14 no longer asks (each stream has its own cuBLAS "
+            "workspace)",
+            "release: pytorch/pytorch pull request 161749 (\"update cuBLAS determinism docs, "
+            "remove workspace requirement checks\", 2025); torch 2.14.1's libtorch_cuda.so no "
+            "longer holds the old error (\"...because it uses CuBLAS and you have CUDA >= "
+            "10.2\") and use_deterministic_algorithms's docstring no longer names the variable",
+            "torch 2.14.1",
+            "torch allocates a cuBLAS workspace per handle and stream (pull request 85447), "
+            "which cuBLAS documents as enough for reproducible results"),
+    Sourced("09_survive_and_scale_out", "does not forward it: kills the step with SIGKILL",
+            "slurm:src/srun/srun_job.c:_srun_signal_mgr (24.05); src/srun/signals.c:"
+            "_forward_signal (26.05)",
+            "Slurm 24.05.0 and 26.05.3",
+            "case SIGQUIT, SIGTERM, SIGHUP: info(\"forcing job termination\"); "
+            "launch_g_fwd_signal(SIGKILL); SIGINT prints the state (a second within 1 s sends "
+            "SIGINT, then SIGKILL); every other signal: launch_g_fwd_signal(sig)"),
+    Sourced("09_survive_and_scale_out", "forwards it to every process of the step, on every node",
+            "slurm:src/srun/launch.c:launch_g_fwd_signal -> slurm_step_launch_fwd_signal "
+            "(REQUEST_SIGNAL_TASKS); src/slurmd/slurmstepd/req.c:_handle_signal_container",
+            "Slurm 24.05.0",
+            "slurmstepd delivers a step's signal with proctrack_g_signal(step->cont_id, sig): "
+            "every process of the step's container (cgroup), not only the task srun started"),
+    Sourced("09_survive_and_scale_out", "and its ranks are killed with the step",
+            "slurm:src/slurmd/slurmstepd/mgr.c:job_manager",
+            "Slurm 24.05.0",
+            "after _wait_for_all_tasks, proctrack_g_signal(step->cont_id, SIGKILL): what the "
+            "step's tasks left running is killed"),
+    Sourced("09_survive_and_scale_out", "--signal=B:USR1@90: to the batch shell alone",
+            "slurm:doc/man/man1/sbatch.1 (--signal); src/slurmctld/job_mgr.c:"
+            "send_job_warn_signal; src/slurmd/slurmstepd/req.c:_handle_signal_container",
+            "Slurm 24.05.0",
+            "\"Use the B: option to signal only the batch shell\"; without B: the flags become "
+            "KILL_STEPS_ONLY; with KILL_JOB_BATCH slurmstepd calls kill(step->pgid, sig), the "
+            "batch shell's own process, not killpg"),
+    Sourced("09_survive_and_scale_out", "SLURM may send it up to a minute earlier than asked",
+            "slurm:doc/man/man1/sbatch.1 (--signal); src/slurmctld/job_mgr.c:"
+            "send_job_warn_signal",
+            "Slurm 24.05.0",
+            "\"the signal may be sent up to 60 seconds earlier than specified\": sent once "
+            "warn_time + PERIODIC_TIMEOUT + now >= end_time"),
+    Sourced("09_survive_and_scale_out", "preemption: to every process of the job's steps, not "
+            "through srun",
+            "slurm:src/interfaces/preempt.c:_job_check_grace_internal; src/slurmctld/"
+            "job_mgr.c:_signal_job",
+            "Slurm 24.05.0",
+            "with a grace time: job_signal(job_ptr, SIGCONT, 0, ...), then SIGTERM with flags "
+            "0, which _signal_job sends as KILL_STEPS_ONLY: every step but the batch script's "
+            "(where srun runs); end_time is set to now + GraceTime"),
+    Sourced("09_survive_and_scale_out", "the srun of Slurm 22.05 and 23.02 does not read "
+            "SLURM_CPUS_PER_TASK, and its step asks for one CPU per task",
+            "slurm:RELEASE_NOTES (22.05: \"srun will no longer read in SLURM_CPUS_PER_TASK\"; "
+            "23.11 reads it again); src/srun/libsrun/opt.c env_vars (SRUN_CPUS_PER_TASK, 22.05); "
+            "src/srun/libsrun/launch.c:_create_job_step_create_request",
+            "Slurm 22.05.0 and 23.11.0",
+            "22.05 maps only SRUN_CPUS_PER_TASK to -c; without -c, step_req->cpu_count = "
+            "opt_local->ntasks (one CPU per task); with -c, cpu_count = ntasks * cpus_per_task "
+            "and SLURM_CPUS_PER_TASK is set for the task (src/common/env.c:setup_env)"),
+    Sourced("09_survive_and_scale_out", "by default the agent of GROUP_RANK 0 hosts it",
+            "torch:distributed/elastic/rendezvous/dynamic_rendezvous.py:"
+            "DynamicRendezvousHandler.next_rendezvous",
+            "torch 2.14.1",
+            "unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE is 1, the node of rendezvous rank 0 "
+            "creates _shared_tcp_store_server and publishes its port as the workers' "
+            "MASTER_PORT; with it, RendezvousStoreInfo.build only picks a free port, and "
+            "torch.distributed.rendezvous._create_c10d_store makes rank 0's worker the server "
+            "(the lesson's test checks that side)"),
+    Sourced("11_mixture_of_experts", "all_to_all_single_autograd, now a pass-through to it",
+            "torch:distributed/_functional_collectives.py:all_to_all_single_autograd",
+            "torch 2.14.1",
+            "its body calls all_to_all_single: \"The base all_to_all_single now has autograd "
+            "support, so we can just call it\""),
+    Sourced("11_mixture_of_experts", "torchtitan's token dispatcher calls all_to_all_single itself",
+            "repo: pytorch/torchtitan torchtitan/models/common/token_dispatcher.py (commit "
+            "78fc8ae32, pull request 3142, June 2026, replaced all_to_all_single_autograd)",
+            "torchtitan main, August 2026",
+            "imports all_to_all_single from torch.distributed._functional_collectives for the "
+            "dispatch and the combine"),
+    Sourced("07_pipeline_parallel", "NCCL documents each send and receive as blocking on the GPU "
+            "until it is matched",
+            "nccl: NCCL User Guide, Point-to-point communication (ncclSend, ncclRecv) and "
+            "Group Calls",
+            "NCCL 2.28 documentation",
+            "ncclSend and ncclRecv are blocking for the GPU; operations that need to progress "
+            "concurrently must be fused within ncclGroupStart()/ncclGroupEnd()"),
+    Sourced("07_pipeline_parallel", "torch 2.14 runs micro-batch 0's forward once more on the "
+            "first step to learn them",
+            "torch:distributed/pipelining/stage.py:PipelineStage._forward_metadata_inference",
+            "torch 2.14.1",
+            "in dynamic mode the stage runs its submodule on the first micro-batch to infer what "
+            "it sends (a forward pre-hook counted 5 forwards at step 0 and 4 later, m = 4, "
+            "2 gloo ranks)"),
 ]

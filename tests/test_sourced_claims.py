@@ -43,9 +43,9 @@ def test_every_claim_names_a_version_and_what_the_source_says():
     for claim in CLAIMS:
         assert claim.version.strip() and claim.says.strip(), f"{claim_id(claim)}: say what was read"
         kind = claim.source.split(":", 1)[0]
-        assert kind in {"torch", "slurm", "nccl", "paper", "release"}, (
+        assert kind in {"torch", "slurm", "nccl", "paper", "release", "repo"}, (
             f"{claim_id(claim)}: source {claim.source!r} should start with torch:, slurm:, nccl:, "
-            "paper: or release:")
+            "paper:, release: or repo:")
 
 
 @pytest.mark.parametrize("claim", CLAIMS, ids=claim_id)

@@ -57,9 +57,9 @@ def test_distributed_sampler_pads_with_duplicates_by_default():
 
 
 def test_ddp_broadcasts_buffers_at_every_forward_by_default(monkeypatch):
-    """03 README: "at the start of every forward, DDP broadcasts rank 0's buffers"
-    (`broadcast_buffers=True`; torch 2.13 renames it `forward_sync_buffers`); 01 README's
-    "the gradients travel, plus the buffers"."""
+    """03 README: "at the start of each forward, DDP broadcasts rank 0's buffers ... (but not
+    after a forward under `no_grad` or `no_sync`)" (`broadcast_buffers=True`; torch 2.13 renames
+    it `forward_sync_buffers`); 01 README's "the gradients travel, plus the buffers"."""
     parameters = inspect.signature(DDP).parameters
     assert parameters["broadcast_buffers"].default is True or "forward_sync_buffers" in parameters
     if dist.is_initialized():
@@ -75,8 +75,13 @@ def test_ddp_broadcasts_buffers_at_every_forward_by_default(monkeypatch):
         for _ in range(2):
             model(torch.randn(4, 3))
         assert len(broadcasts) == 2, f"{len(broadcasts)} buffer broadcasts in 2 forwards"
+        for quiet in (torch.no_grad, model.no_sync):
+            with quiet():
+                model(torch.randn(4, 3))  # broadcasts: the forward before it trained
+            model(torch.randn(4, 3))  # does not: the forward before it did not
+        assert len(broadcasts) == 4, f"{len(broadcasts) - 2} broadcasts in 4 more forwards"
         del model
-        gc.collect()  # DDP holds the group through reference cycles
+        gc.collect()  # a DDP left in reference cycles holds the group
     finally:
         dist.destroy_process_group()
 
@@ -123,13 +128,19 @@ def older_than_2_14() -> bool:
 
 
 def test_default_process_group_timeouts():
-    """04 README, labs 5 and 14: "by default 30 minutes with gloo, 10 with NCCL"; its settings:
-    "`init_process_group(timeout=...)`: 10 minutes on NCCL, 30 on gloo, by default"."""
+    """04 README, labs 5 and 14: "by default 30 minutes with gloo, 10 with NCCL when
+    `backend="nccl"` is named"; its settings: "`init_process_group(timeout=...)`: 10 minutes on
+    NCCL, 30 on gloo, by default"."""
+    from torch.distributed.distributed_c10d import _get_default_timeout
+
     assert constants.default_pg_timeout == timedelta(minutes=30)
     # None on builds without NCCL (the CPU wheels): there the NCCL default is not compiled in.
     nccl = getattr(constants, "default_pg_nccl_timeout", None)
     if nccl is not None:
         assert nccl == timedelta(minutes=10)
+        assert _get_default_timeout("nccl") == nccl
+    for backend in ("gloo", "cpu:gloo,cuda:nccl"):  # a backend string that only contains nccl
+        assert _get_default_timeout(backend) == timedelta(minutes=30), backend
 
 
 def group_timeouts_on_rank(ctx) -> dict:
@@ -139,30 +150,43 @@ def group_timeouts_on_rank(ctx) -> dict:
         return group._get_backend(torch.device("cpu")).options._timeout
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=45)
+    overridden = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"),
+                                  backend_override={"dp": options, "ep": options})
     rows, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]], timeout=timedelta(seconds=60))
     return {"default": timeout(dist.group.WORLD), "mesh": [timeout(mesh.get_group(name))
                                                            for name in ("dp", "ep")],
+            "overridden": [timeout(overridden.get_group(name)) for name in ("dp", "ep")],
             "enumerated": timeout(rows)}
 
 
 def test_a_device_mesh_subgroup_on_gloo_waits_30_minutes_whatever_the_default_group():
-    """11 README: "`init_device_mesh` would make the same groups, but it passes them no
-    timeout, and a gloo group without one waits 30 minutes" (so run.mesh_groups, under moe.py's
-    expert_groups and run.device_mesh, makes them with dist.new_subgroups_by_enumeration and the
-    course's timeout)."""
+    """11 README: "`init_device_mesh` would make the same groups, but on gloo they wait 30
+    minutes unless its `backend_override` hands each dimension options carrying a timeout
+    (`ProcessGroupGloo._Options`, whose `_timeout` is private)" (so run.mesh_groups, under
+    moe.py's expert_groups and run.device_mesh, makes them with
+    dist.new_subgroups_by_enumeration and the course's timeout)."""
     found = run_on_ranks(group_timeouts_on_rank, world_size=4, pg_timeout=60)[0]
     assert found["default"] == timedelta(seconds=60), found
     assert found["mesh"] == [timedelta(minutes=30)] * 2, found
+    assert found["overridden"] == [timedelta(seconds=45)] * 2, found
     assert found["enumerated"] == timedelta(seconds=60), found
 
 
 def test_dataparallel_checks_the_device_at_forward_not_when_wrapping():
-    """01 README, the forum question: "it checks this at the first forward, not when it wraps
-    the model ... `nn.DataParallel(model).to('cuda')` works"."""
+    """01 README, the forum question: "it checks this at every forward, not when it wraps the
+    model (with a single device id, wrapping moves the model there itself) ...
+    `nn.DataParallel(model).to('cuda')` works"; and "One device id ... Wrapping moves the
+    module to that device itself" (read from torch's source: no CPU has a device id)."""
     nn.DataParallel(nn.Linear(2, 2)).to("cpu")  # constructing and moving never checks
     check = "module must have its parameters and buffers"
-    assert check in inspect.getsource(nn.DataParallel.forward)
-    assert check not in inspect.getsource(nn.DataParallel.__init__)
+    forward = inspect.getsource(nn.DataParallel.forward)
+    init = inspect.getsource(nn.DataParallel.__init__)
+    assert check in forward and check not in init
+    assert forward.index(check) < forward.index("self.scatter(")  # every call, before the rest
+    assert re.search(r"if len\(self\.device_ids\) == 1:\s*self\.module\.to\(", init), (
+        "DataParallel no longer moves the module when given one device id")
     if torch.cuda.is_available():
         wrapped = nn.DataParallel(nn.Linear(2, 2)).to("cuda")
         assert wrapped(torch.randn(4, 2, device="cuda")).shape == (4, 2)
@@ -314,7 +338,7 @@ def test_ddp_buckets_are_another_copy_of_the_gradients_unless_the_gradients_are_
                 model(torch.randn(3, 4)).sum().backward()
             storages[as_view] = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
             del model
-            gc.collect()  # DDP holds the group through reference cycles
+            gc.collect()  # a DDP left in reference cycles holds the group
         assert len(storages[False]) == 4, "one gradient tensor per parameter"
         assert len(storages[True]) < 4, "the gradients share the buckets' memory"
     finally:
@@ -409,10 +433,93 @@ def ddp_bucket_launch_order(ctx) -> list[int]:
 
 
 def test_ddp_launches_its_buckets_strictly_in_order():
-    """08 README: "Buckets are all-reduced strictly in order: a bucket whose gradients are all
+    """08 README: "Buckets are launched strictly in order: a bucket whose gradients are all
     ready waits for the buckets before it"."""
     seen = run_on_ranks(ddp_bucket_launch_order, world_size=2)[0]
     assert seen == sorted(seen) and len(seen) >= 2, seen
+
+
+def ddp_bucket_sizes_in_launch_order(ctx, **options) -> list[int]:
+    """The bytes of each bucket, in the order DDP hands them to the comm hook, at the third
+    step (after any rebuild)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = DDP(nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]), **options)
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.buffer().numel() * 4)
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, hook)
+    for _ in range(3):
+        seen.clear()
+        model(torch.randn(2, 512)).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("options,small_one", [({}, "first"),
+                                               ({"find_unused_parameters": True}, "last")],
+                         ids=["default", "find-unused"])
+def test_ddp_all_reduces_its_small_first_bucket_first_by_default_and_last_with_find_unused(
+        options, small_one):
+    """08 README: "Rebuilt, that bucket [the 1 MiB one] holds the gradients that come first,
+    which start moving sooner; with `find_unused_parameters=True`, the model's first parameters,
+    whose gradients come last: it is all-reduced last" (2 ranks, gloo; launch order)."""
+    sizes = run_on_ranks(ddp_bucket_sizes_in_launch_order, world_size=2, **options)[0]
+    assert len(sizes) == 2 and min(sizes) <= MIB + 4096, sizes
+    assert sizes.index(min(sizes)) == (0 if small_one == "first" else len(sizes) - 1), sizes
+
+
+def ddp_gradient_copies(ctx, as_view: bool, set_to_none: bool) -> int:
+    """How many times the third step's backward writes a tensor into another tensor's memory
+    (``copy_`` or an ``out=`` op; autograd's accumulation and in-place scaling excluded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            target = (kwargs.get("out") if "out" in kwargs
+                      else args[0] if func.__name__.startswith("copy_") else None)
+            if isinstance(target, torch.Tensor):
+                sources = [a for a in args if isinstance(a, torch.Tensor) and a is not target]
+                if all(s.untyped_storage().data_ptr() != target.untyped_storage().data_ptr()
+                       for s in sources):
+                    Copies.count += 1
+            return func(*args, **kwargs)
+
+    model = DDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)),
+                gradient_as_bucket_view=as_view)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):  # "gradients will be views after first iteration"
+        optimizer.zero_grad(set_to_none=set_to_none)
+        x = torch.randn(4, 64)
+        if step < 2:
+            model(x).sum().backward()
+        else:
+            with Copies():
+                model(x).sum().backward()
+        optimizer.step()
+    return Copies.count
+
+
+@pytest.mark.parametrize("as_view,set_to_none,copies", [
+    (False, False, 2), (False, True, 2), (True, False, 0), (True, True, 1)],
+    ids=["copies", "copies-set-to-none", "views", "views-set-to-none"])
+def test_gradient_as_bucket_view_removes_both_copies_only_when_gradients_are_zeroed(
+        as_view, set_to_none, copies):
+    """08 README, `gradient_as_bucket_view=True`: "With `zero_grad(set_to_none=False)`, as here,
+    that removes the two copies; set to None (the default, and `train_amp.py`'s), each step's
+    new gradients are still copied into the buckets, and only the copy back goes" (2 ranks,
+    gloo, as ddp_costs.py runs; torch 2.14's docstring of `batched_grad_copy` says the same)."""
+    parameters = 4  # two weights, two biases
+    got = run_on_ranks(ddp_gradient_copies, world_size=2, as_view=as_view,
+                       set_to_none=set_to_none)[0]
+    assert got == copies * parameters, (got, copies * parameters)
+    assert inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
+        "set_to_none"].default is True
 
 
 # ----------------------------------------------------------------------------- lesson 06, DTensor
@@ -524,6 +631,45 @@ def test_colwise_and_rowwise_split_as_lesson_06_says():
     assert prepared["backward"] == {"all_reduce": 2}, prepared["backward"]  # 1 + 1
 
 
+def weights_after_parallelize_on_rank(ctx):
+    """Each rank builds the same three layers from its own seed, then parallelizes the first two:
+    what each parameter holds afterwards, gathered whole, against rank 0's and its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(ctx.rank)  # seeded differently on purpose
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    with torch.no_grad():
+        model[2].weight.uniform_()  # a LayerNorm starts at ones everywhere: make it differ
+    built = {name: p.detach().clone() for name, p in model.named_parameters()}
+    rank0 = [dict(built) if ctx.rank == 0 else None]
+    dist.broadcast_object_list(rank0, src=0)
+    parallelize_module(model, init_device_mesh("cpu", (ctx.world_size,)),
+                       {"0": ColwiseParallel(), "1": RowwiseParallel(), "2": SequenceParallel()})
+    held = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for name, p in model.named_parameters()}
+    return {name: ("rank 0's" if torch.equal(held[name], rank0[0][name])
+                   else "its own" if torch.equal(held[name], built[name]) else "other")
+            for name in held}
+
+
+def test_parallelize_module_takes_split_weights_from_rank_0_and_leaves_the_rest_as_built():
+    """06 README: "ColwiseParallel and RowwiseParallel take the weights they split from rank 0;
+    SequenceParallel's norms and every parameter outside the plan stay as each rank built them"
+    (2 gloo ranks, each seeded with its rank; torch 2.14's styles call distribute_tensor with
+    src_data_rank=0, SequenceParallel wraps with DTensor.from_local)."""
+    got = run_on_ranks(weights_after_parallelize_on_rank, world_size=2)[1]
+    split = ("0.weight", "0.bias", "1.weight", "1.bias")  # 1.bias: Replicate(), also rank 0's
+    assert {name: got[name] for name in split} == dict.fromkeys(split, "rank 0's"), got
+    assert got["2.weight"] == got["3.weight"] == got["3.bias"] == "its own", got
+
+
 def test_sequence_parallel_replaces_each_all_reduce_by_a_reduce_scatter_and_an_all_gather():
     """06 README, sequence parallelism: with the residual stream split along the sequence
     (`Shard(1)`), every all-reduce of the block becomes a reduce-scatter (leaving the split
@@ -559,6 +705,34 @@ def test_dtensor_shards_a_dimension_that_does_not_divide_without_complaint():
 
 
 # ---------------------------------------------------------------------------- lesson 07, pipelining
+
+
+def a_sliced_batch_on_one_stage(ctx):
+    """Four micro-batches of `tokens[:, :-1]`, a slice whose rows are one element longer than
+    they are wide (strides (S + 1, 1)), through one stage that learned its input from the first."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    tokens = torch.randn(8, 7, generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    assert not inputs.is_contiguous()
+    schedule = ScheduleGPipe(PipelineStage(nn.Linear(6, 6), 0, 1, torch.device("cpu")),
+                             n_microbatches=4, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    try:
+        schedule.step(inputs, target=targets)
+    except Exception as error:  # noqa: BLE001 - the refusal is what the test reports
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
+def test_a_sliced_batch_is_refused_by_torch_2_11_and_accepted_since_2_13():
+    """07 README, PyTorch's API: "In torch 2.11 every later input must then have the first one's
+    shape and strides: a slice such as `tokens[:, :-1]` is refused (`PipeliningShapeError`;
+    torch 2.13 and 2.14 accept it)" (one stage, ScheduleGPipe, 4 micro-batches)."""
+    got = run_on_ranks(a_sliced_batch_on_one_stage, world_size=1)[0]
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        assert got.startswith("PipeliningShapeError"), got
+    else:
+        assert got == "accepted", got
 
 
 def uneven_micro_batches(ctx):
@@ -606,10 +780,10 @@ def fewer_micro_batches_than_stages(ctx):
 def test_torch_pipelining_averages_micro_batches_as_if_they_were_equal():
     """07 README: torch's schedules average the micro-batches' gradients (`scale_grads=True`,
     the default); Schedule1F1B refuses fewer micro-batches than stages; a batch of 10 in 4
-    micro-batches is refused by torch 2.11 (a shape mismatch) and, in torch 2.14, cut 3, 3, 2, 2
-    without a word, each piece weighing a quarter: not the batch's mean. torch also offers
-    interleaved and zero-bubble schedules, and `pipeline` with `SplitPoint` to cut a model by
-    tracing it."""
+    micro-batches is refused by torch 2.11 (a shape mismatch) and, in torch 2.14, on one stage,
+    cut 3, 3, 2, 2 without a word, each piece weighing a quarter: not the batch's mean (two
+    stages: the next test). torch also offers interleaved and zero-bubble schedules, and
+    `pipeline` with `SplitPoint` to cut a model by tracing it."""
     from torch.distributed import pipelining
 
     for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
@@ -634,6 +808,82 @@ def test_torch_pipelining_averages_micro_batches_as_if_they_were_equal():
     assert torch.allclose(got["grad"], got["mean_of_means"], atol=1e-6), got
     assert not torch.allclose(got["grad"], got["whole"], atol=1e-4), got
 
+
+UNEVEN_HANG = 3.0  # seconds: the process group's timeout for the pipeline that breaks
+
+
+def uneven_micro_batches_on_two_stages(ctx, schedule_name: str, detail: bool) -> dict:
+    """Two stages on two ranks (a Linear each), a batch of 10 in 4 micro-batches, one step of
+    torch's schedule; what each rank raised, and the shapes each stage ran on. ``detail`` sets
+    TORCH_DISTRIBUTED_DEBUG=DETAIL as importing torch.distributed reads it (the pool's group
+    already exists, so DETAIL's wrapper around new groups plays no part: it checks
+    collectives, and a pipeline only sends and receives)."""
+    import traceback
+
+    from torch.distributed import pipelining
+
+    if detail:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10, 3, generator=generator), torch.randn(10, 1, generator=generator)
+    layer = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))[ctx.rank]
+    pieces = []  # the micro-batch shapes this stage really ran on
+    layer.register_forward_pre_hook(lambda _, args: pieces.append(tuple(args[0].shape)))
+    stage = pipelining.PipelineStage(layer, ctx.rank, 2, torch.device("cpu"))
+    schedule = getattr(pipelining, schedule_name)(
+        stage, n_microbatches=4, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    start = time.monotonic()
+    try:
+        schedule.step(x) if ctx.rank == 0 else schedule.step(target=y, losses=[])
+        error, frames = None, []
+    except Exception as raised:
+        error = f"{type(raised).__name__}: {raised}"
+        frames = [frame.name for frame in traceback.extract_tb(raised.__traceback__)]
+    finally:
+        os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        dist.set_debug_level_from_env()
+    return {"error": error, "frames": frames, "pieces": pieces,
+            "waited": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleGPipe", "Schedule1F1B"])
+def test_uneven_micro_batches_break_a_two_stage_pipeline(schedule_name):
+    """07 README: on two stages (two gloo ranks), a batch of 10 in 4 micro-batches fails, with
+    both schedules. torch 2.11 refuses it on the first stage (a shape mismatch). torch 2.14
+    checks shapes only under TORCH_DISTRIBUTED_DEBUG=DETAIL, where the first stage raises
+    PipeliningMetadataError at the third micro-batch; without it, stage 1's receive buffers
+    keep micro-batch 0's shape, the 2-row pieces arrive as 3 rows, and the loss fails against
+    the target's 2 rows. Either way the other rank waits until the group's timeout."""
+    from harness.ranks import get_pool
+
+    got = {}
+    for detail in (False, True):
+        try:
+            got[detail] = run_on_ranks(uneven_micro_batches_on_two_stages, schedule_name, detail,
+                                       pg_timeout=UNEVEN_HANG, timeout=30)
+        finally:
+            get_pool(2, pg_timeout=UNEVEN_HANG).close()  # its group is broken: start afresh
+    for detail, (first, last) in got.items():
+        assert first["error"] and last["error"], (detail, first, last)  # never a silent step
+        if older_than_2_14() or detail:
+            # The first stage checks its input against micro-batch 0's before the third forward
+            assert "shape mismatch" in first["error"], (detail, first)
+            assert first["error"].startswith(
+                "PipeliningMetadataError" if not older_than_2_14() else "PipeliningShapeError"
+            ), (detail, first)
+            assert first["pieces"][-1] == (3, 3) and (2, 3) not in first["pieces"], first
+            waiting = last
+        else:
+            # No check: stage 0 runs 3, 3, 2, 2 (after one more run of micro-batch 0, to learn
+            # what it sends), stage 1 receives all four into 3-row buffers and its loss fails.
+            assert first["pieces"][-4:] == [(3, 3), (3, 3), (2, 3), (2, 3)], first
+            assert last["pieces"] == [(3, 4)] * 4, last
+            assert "_compute_loss" in last["frames"], last
+            assert "must match the size of tensor b (2)" in last["error"], last
+            waiting = first
+        assert "Timed out" in waiting["error"] and waiting["waited"] >= UNEVEN_HANG - 0.5, (
+            detail, waiting)
 
 def sends_then_receives_crossed(ctx):
     """Rank 1 sends micro-batch 0's tensor, then 1's; rank 0 posts its receive for 1 first."""
@@ -909,12 +1159,13 @@ def test_the_fake_process_group_completes_collectives_without_any_other_rank():
         dist.destroy_process_group()
 
 
-def test_the_fake_process_group_plays_any_rank_as_if_every_rank_held_its_tensors():
-    """08 README, a dry run (and dry_run.py's docstring): one process is any rank of any world
-    size, and its collectives complete "as if every rank held this one's tensors: an
-    all-reduce leaves its tensor as it is, an all-gather fills its output with copies of this
-    rank's input" (no text says what a reduce-scatter leaves: torch 2.11 leaves its output as
-    it was, 2.14 puts this rank's piece of the input there)."""
+def test_the_fake_process_group_plays_any_rank_and_moves_nothing_between_ranks():
+    """08 README, a dry run: one process is any rank of any world size, and its collectives
+    "complete at once, without any other rank, and use this rank's tensors alone: an all-reduce
+    leaves its tensor as it is, an all-gather fills its output with copies of this rank's
+    input" (not as if every rank held these tensors: the all-reduce is not 128 times them). No
+    text says what a reduce-scatter leaves: torch 2.11 leaves its output as it was, 2.14 puts
+    this rank's piece of its own input there."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -930,6 +1181,121 @@ def test_the_fake_process_group_plays_any_rank_as_if_every_rank_held_its_tensors
         assert gathered.tolist() == [5.0, 6.0] * 128
     finally:
         dist.destroy_process_group()
+
+
+def test_the_fake_process_group_needs_no_store_on_torch_2_14():
+    """08 README, a dry run: "torch 2.14 makes the FakeStore itself when given none"
+    (`init_process_group` in distributed_c10d.py; only 2.14.1's source was read)."""
+    if older_than_2_14():
+        pytest.skip("read in torch 2.14.1's source only; the text says 2.14")
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    dist.init_process_group("fake", rank=5, world_size=128)  # no store, no init_method, no env
+    try:
+        assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (5, 128, "fake")
+    finally:
+        dist.destroy_process_group()
+
+
+def collectives_as_dispatched(ctx) -> list[str]:
+    """The c10d operators that the process-group API and DDP's reducer reach, on gloo."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith("c10d."):
+                seen.append(str(func).split(".")[1])
+            return func(*args, **(kwargs or {}))
+
+    reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                             or dist.reduce_scatter_tensor)  # the 2.13 rename, as above
+    model = DDP(nn.Linear(4, 4))
+    with Ops():
+        all_gather_single(torch.empty(4 * ctx.world_size), torch.ones(4))
+        reduce_scatter_single(torch.empty(4), torch.ones(4 * ctx.world_size))
+        dist.all_reduce(torch.ones(4))
+        seen.append("| DDP:")
+        model(torch.randn(2, 4)).sum().backward()  # the reducer's all-reduce, from C++
+    return seen
+
+
+def test_every_collective_reaches_the_dispatcher_as_a_c10d_operator():
+    """08 README, a dry run: "Every collective of the process-group API (`dist.all_gather_single`,
+    `all_gather_into_tensor` before torch 2.13, and the rest), whoever calls it (FSDP2 from
+    Python, DDP's reducer from C++) and whichever backend runs it, reaches torch's dispatcher
+    as a `c10d` operator (`c10d._allgather_base_`, `c10d._reduce_scatter_base_`,
+    `c10d.allreduce_`, ...)" (gloo, 2 ranks; the fake group's are counted by dry_run's test)."""
+    seen = run_on_ranks(collectives_as_dispatched, world_size=2)[0]
+    assert seen[:4] == ["_allgather_base_", "_reduce_scatter_base_", "allreduce_", "| DDP:"], seen
+    assert seen[4:] == ["allreduce_"], seen
+
+
+def two_all_reduces_at_once(ctx, tries: int = 3) -> list[bool]:
+    """A 64 MiB all-reduce, then a 4-byte one, both async: is the big one still running when
+    the small one has finished? (A single worker thread would finish them in order.)"""
+    overtaken = []
+    for _ in range(tries):
+        big, small = torch.ones(16 * MIB), torch.ones(1)
+        first = dist.all_reduce(big, async_op=True)
+        second = dist.all_reduce(small, async_op=True)
+        second.wait()
+        overtaken.append(not first.is_completed())
+        first.wait()
+    return overtaken
+
+
+def test_gloo_runs_two_collectives_at_once():
+    """08 README: buckets are launched in order; "gloo then runs up to two at once, one per
+    thread" (`ProcessGroupGloo::Options::threads`, 2 by default; 2 ranks on gloo, as the lesson
+    runs)."""
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        threads = backend.options._threads if hasattr(backend, "options") else None
+    finally:
+        dist.destroy_process_group()
+    assert threads in (2, None), f"gloo has {threads} threads"  # None: 2.11 may not expose it
+    overtaken = run_on_ranks(two_all_reduces_at_once, world_size=2, timeout=120)
+    assert any(map(any, overtaken)), f"a 4-byte all-reduce never overtook a 64 MiB one: {overtaken}"
+
+
+def grad_scaler_run(gradient: float, steps: int, state: dict | None = None,
+                    **options) -> tuple[int, dict]:
+    """Steps a GradScaler (fresh, or loaded from a saved ``state``) skips on a gradient of
+    ``gradient``, and its state afterwards."""
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", **options)
+    if state is not None:
+        scaler.load_state_dict(state)
+    skipped = 0
+    for _ in range(steps):
+        optimizer.zero_grad()
+        before = weight.item()
+        scaler.scale((weight * gradient).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += weight.item() == before
+    return skipped, scaler.state_dict()
+
+
+def test_a_run_resumed_without_its_scaler_skips_steps_only_below_65536():
+    """08 README, mixed precision: "a run resumed without it would start again at 65536 and, if
+    the saved scale was smaller, skip a step per halving back down to it"."""
+    # fp32 overflows at 3.4e38: a gradient of 1e34 does at a scale of 65536, not at 32768.
+    for gradient, halvings in ((1e34, 1), (2e34, 2)):
+        _, saved = grad_scaler_run(gradient, 4)  # the run before the restart settles
+        assert saved["scale"] == 65536.0 / 2**halvings, saved
+        assert grad_scaler_run(gradient, 4, saved)[0] == 0, "resumed with its scaler's state"
+        assert grad_scaler_run(gradient, 4)[0] == halvings, "resumed without it"
+    _, grown = grad_scaler_run(1.0, 3, growth_interval=1)  # a calm run that grew its scale
+    assert grown["scale"] == 65536.0 * 2**3, grown
+    assert grad_scaler_run(1.0, 4)[0] == 0, "a fresh scaler below the saved scale skips nothing"
 
 
 def test_grad_scaler_defaults_and_what_it_does_after_an_overflow():
@@ -991,14 +1357,19 @@ def test_ddp_starts_all_reducing_buckets_before_the_backward_ends():
 
 
 def test_torchrun_ignores_node_rank_with_a_c10d_rendezvous(caplog):
-    """09 README, two nodes: "with --rdzv-backend=c10d, torchrun ignores --node-rank (torch
-    2.14's warns ...; 2.11's ignores it silently) ... the rendezvous numbers the nodes in the
-    sorted order of their addresses, then of their agents' process ids" (harness.launch.start_nodes
-    relies on it)."""
+    """09 README, two nodes: "with --rdzv-backend=c10d, --node-rank is ignored (newer torchrun,
+    2.14 here, warns, when it is not 0, ...; 2.11's says nothing) ... the rendezvous numbers the
+    nodes in the sorted order of their addresses, then of their agents' process ids"
+    (harness.launch.start_nodes relies on it)."""
+    warning = "node_rank is only used for static rdzv_backend"
+    with caplog.at_level("WARNING"):
+        run.config_from_args(torchrun_args("--nnodes=2", "--node-rank=0", "--rdzv-backend=c10d",
+                                           "--rdzv-endpoint=127.0.0.1:0"))
+    assert warning not in caplog.text, "--node-rank=0: no warning"
     with caplog.at_level("WARNING"):
         run.config_from_args(torchrun_args("--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
                                            "--rdzv-endpoint=127.0.0.1:0"))
-    warned = "node_rank is only used for static rdzv_backend" in caplog.text
+    warned = warning in caplog.text
     assert warned or older_than_2_14(), caplog.text
     source = inspect.getsource(
         torch.distributed.elastic.rendezvous.dynamic_rendezvous._DistributedRendezvousOpExecutor)
@@ -1271,6 +1642,72 @@ def debug_level_with(value: str | None) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+DDP_UNDER_DEBUG = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch import nn
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                        timeout=timedelta(seconds=30))
+print("joined", flush=True)
+model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+print("built", flush=True)
+model(torch.ones(3, 2)).sum().backward()
+print("trained", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def ddp_on_two_gloo_ranks(folder, *debug_levels: str) -> dict:
+    """For each level, two fresh processes (TORCH_DISTRIBUTED_DEBUG is read when
+    torch.distributed is imported) join a gloo group, build a DDP model and take one backward:
+    each one's exit code and what it printed. All start at once; any still running after 120 s
+    is killed."""
+    procs = {}
+    for debug in debug_levels:
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_DEBUG"}
+        env["TORCH_DISTRIBUTED_DEBUG"] = debug
+        store = folder / f"store-{debug}"
+        procs[debug] = [
+            subprocess.Popen([sys.executable, "-c", DDP_UNDER_DEBUG, str(rank), str(store)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True) for rank in range(2)]
+    deadline = time.monotonic() + 120
+    got = {}
+    try:
+        for debug, pair in procs.items():
+            got[debug] = []
+            for proc in pair:
+                try:
+                    text = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+                except subprocess.TimeoutExpired:
+                    text = "(killed after 120 s)"
+                got[debug].append((proc.returncode, text))
+    finally:
+        for proc in (proc for pair in procs.values() for proc in pair):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return got
+
+
+@pytest.mark.timeout(240)
+def test_ddp_on_gloo_crashes_under_torch_distributed_debug_detail(tmp_path):
+    """04 README and doctor.py: on gloo, building a DDP model under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL kills the process with a segfault (torch 2.13.0 and 2.14.1:
+    in DDP's construction-time logging, c10d::Logger::set_construction_data_and_log, which casts
+    the group's gloo backend, by then DETAIL's wrapper, to ProcessGroupGloo); the group joins
+    first, so it is DDP, not DETAIL's wrapped group, that crashes. INFO builds and trains."""
+    got = ddp_on_two_gloo_ranks(tmp_path, "DETAIL", "INFO")
+    detail, info = got["DETAIL"], got["INFO"]
+    for code, text in detail:
+        assert "joined" in text, detail  # the wrapped group itself works
+        assert code == -signal.SIGSEGV and "built" not in text, (
+            f"torch {torch.__version__} no longer crashes building DDP on gloo under DETAIL "
+            f"({detail}): lesson 04's text and doctor.py can recommend DETAIL there again")
+    assert all(code == 0 and "trained" in text for code, text in info), info
+
 def test_the_settings_lesson_04_tabulates_are_read_by_torch_and_nccl():
     """04 README, settings that decide hangs and speed: each name is one torch (or NCCL, or
     gloo) reads, with the messages the text quotes; TORCH_DISTRIBUTED_DEBUG is OFF by default,
@@ -1528,9 +1965,9 @@ def test_torchrun_handles_sigterm_sigint_sighup_sigquit_and_waits_30_s_by_defaul
 
 @pytest.mark.timeout(120)
 def test_torchrun_passes_sigterm_on_and_dies_of_sigusr1_leaving_its_worker(tmp_path):
-    """09 README, time limits: "SIGTERM to torchrun reaches every worker; SIGUSR1, which it does
-    not handle unless told, kills torchrun itself and leaves its workers running: the batch
-    script turns SIGUSR1 into SIGTERM"."""
+    """09 README, time limits: torchrun "sends it to its ranks (handled by default)" for SIGTERM;
+    SIGUSR1 "named in --signals-to-handle: sends it to its ranks; not named: dies of it" (its
+    worker, in a session of its own, runs on; under SLURM the step's end kills it)."""
     run_, pid, orphan = torchrun_signalled(tmp_path, signal.SIGTERM)
     assert f"worker {pid} got SIGTERM" in run_.output, run_.output[-3000:]
     assert "death signal, shutting down workers" in run_.output, run_.output[-3000:]
@@ -1543,6 +1980,16 @@ def test_torchrun_passes_sigterm_on_and_dies_of_sigusr1_leaving_its_worker(tmp_p
                                            "--signals-to-handle=SIGTERM,SIGUSR1")
     assert f"worker {pid} got SIGUSR1" in run_.output, run_.output[-3000:]
     assert not orphan
+
+
+@pytest.mark.timeout(120)
+def test_a_subprocess_timeout_kills_torchrun_alone_and_leaves_its_workers(tmp_path):
+    """04 README and lab 14, from a notebook: "`subprocess.run(..., timeout=...)` would kill
+    torchrun with SIGKILL and leave its workers running"; the lab sends SIGTERM instead, which
+    torchrun passes on (test_torchrun_passes_sigterm_on_and_dies_of_sigusr1_leaving_its_worker)."""
+    assert "process.kill()" in inspect.getsource(subprocess.run), "what run does on a timeout"
+    _, _, orphan = torchrun_signalled(tmp_path, signal.SIGKILL)
+    assert orphan, "the worker, in a session of its own, outlives a torchrun killed with SIGKILL"
 
 
 # ---------------------------------------------------------------- lesson 10: context parallel
@@ -1581,10 +2028,10 @@ def test_context_parallel_handles_only_sdpas_cuda_kernels():
 
 
 def test_context_parallel_all_gathers_by_default_and_balances_only_lengths_of_2w():
-    """Lesson 10: "By default it exchanges the keys and values with an all-gather;
-    set_rotate_method("alltoall") passes them around the ring instead. The length must divide
-    by 2W for the head-tail split; otherwise it splits without balancing" (torch 2.14; 2.11
-    chooses the head-tail split whatever the length)."""
+    """Lesson 10: "By default each rank all-gathers every rank's keys and values at once;
+    set_rotate_method("alltoall") passes them around the ring instead. It uses the head-tail
+    split whenever the length divides by 2W, whatever the mask"; "Torch 2.11 picks the
+    head-tail split for any length". What 2.14 does with other lengths: the next test."""
     attention, balancers = _context_parallel_modules()
     options = attention._cp_options
     assert options.rotate_method == attention._RotateMethod.ALL_GATHER
@@ -1602,6 +2049,97 @@ def test_context_parallel_all_gathers_by_default_and_balances_only_lengths_of_2w
     else:  # "2.11 chooses it whatever the length"
         assert isinstance(make(12, 4, "cpu"), balancers._HeadTailLoadBalancer)
     assert "is_causal" not in inspect.signature(make).parameters  # the mask plays no part
+
+
+def cp_ring_on_this_rank(ctx, length: int):
+    """torch's context-parallel ring (``_templated_ring_attention``, which its CUDA handlers
+    call) on this rank, with SDPA's CPU kernel as its attention, on ``length`` tokens sharded by
+    torch's own rules (its default balancer, its ``_context_parallel_buffers``): this rank's
+    positions and its largest error against causal attention over the whole sequence."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    attention, balancers = _context_parallel_modules()
+    q, k, v = (torch.randn(1, 2, length, 4, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    balancer = balancers._create_default_load_balancer(length, ctx.world_size, "cpu")
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    mine = attention._context_parallel_buffers(mesh, [q, k, v], [2, 2, 2], balancer)
+    positions = attention._context_parallel_buffers(mesh, [torch.arange(length)], [0],
+                                                     balancer)[0]
+
+    def cpu_kernel(q, k, v, is_causal, **kwargs):  # returns (out, logsumexp), as flash does
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0,
+                                                                          is_causal)
+
+    if length % ctx.world_size:  # gloo aborts the process: its message is enough, no stack dump
+        import faulthandler
+        faulthandler.disable()
+    balancing = attention._cp_options.enable_load_balance
+    attention._cp_options.enable_load_balance = balancer is not None  # as context_parallel does
+    try:
+        out = attention._templated_ring_attention(mesh.get_group(), 2, cpu_kernel, *mine,
+                                                  is_causal=True)[0]
+    finally:
+        attention._cp_options.enable_load_balance = balancing
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return positions.tolist(), (out - want.index_select(2, positions)).abs().max().item()
+
+
+def test_context_parallel_without_balancing_still_needs_the_length_to_divide_by_w():
+    """Lesson 10: "For other lengths newer torch (2.14 here) cuts W contiguous blocks,
+    unbalanced, and the length must still divide by W: given 7 tokens on 2 gloo ranks (blocks of
+    4 and 3), its ring's exchange aborts the processes." torch's own ring and sharding, on 2 gloo
+    ranks, with SDPA's CPU kernel in place of the CUDA ones its dispatch table lists."""
+    if older_than_2_14():
+        pytest.skip("torch 2.11 picks the head-tail split for any length (the test above)")
+    (zero, error0), (one, error1) = run_on_ranks(cp_ring_on_this_rank, 8, world_size=2)
+    assert (zero, one) == ([0, 1, 6, 7], [2, 3, 4, 5])  # head-tail: 8 divides by 2W
+    assert max(error0, error1) < 1e-5
+    (zero, error0), (one, error1) = run_on_ranks(cp_ring_on_this_rank, 6, world_size=2)
+    assert (zero, one) == ([0, 1, 2], [3, 4, 5])  # 6 does not divide by 4: contiguous blocks
+    assert max(error0, error1) < 1e-5
+    with pytest.raises(RankError) as raised:  # blocks of 4 and 3
+        run_on_ranks(cp_ring_on_this_rank, 7, world_size=2)
+    assert re.search(r"died|doesn't match expected size", str(raised.value)), raised.value
+
+
+def test_context_parallels_ring_calls_the_head_tail_split_round_robin():
+    """Lesson 10: its `_HeadTailLoadBalancer`; "which the code of its ring calls round-robin"."""
+    attention, balancers = _context_parallel_modules()
+    assert hasattr(balancers, "_HeadTailLoadBalancer")
+    source = inspect.getsource(attention._templated_ring_attention)
+    assert "Round-robin load balancing case" in source and "ROUND_ROBIN_CYCLE" in source
+
+
+def test_sdpas_fused_kernel_keeps_the_output_and_log_sum_exp_not_the_probabilities():
+    """Lesson 10: autograd keeps, "with a softmax written out as task10_3's is, every block's
+    probabilities (S/W x S per head ...; SDPA's fused kernels keep each block's output and
+    log-sum-exp instead)". On the CPU, SDPA's fused kernel (flash attention for CPU); the CUDA
+    kernels' backwards take the same (tests/sourced_claims.py)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, T, D = 1, 2, 16, 4
+    q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+
+    def kept(attend):
+        shapes = []
+
+        def pack(tensor):
+            shapes.append(tuple(tensor.shape))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            attend()
+        return shapes
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        fused = kept(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                              is_causal=True))
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    written_out = kept(lambda: torch.softmax(
+        (q @ k.transpose(-2, -1) * D ** -0.5).masked_fill(~mask, float("-inf")), -1) @ v)
+    assert (B, H, T, T) in written_out  # the probabilities, for the product with v
+    assert sorted(fused) == sorted([(B, H, T, D)] * 4 + [(B, H, T)]), fused  # q, k, v, out, lse
 
 
 def test_context_parallels_balanced_ring_refuses_attention_without_is_causal():
@@ -1765,6 +2303,57 @@ def test_when_fsdp_starts_each_all_gather():
                 assert torch.equal(grad, plain), (rank, case)
 
 
+class SameSizeBlock(nn.Module):
+    """A residual MLP of width 64; ``seen`` records, as its forward begins (after FSDP's
+    pre-forward hook), the bytes alive in ``peak``."""
+
+    def __init__(self, index: int, seen: dict, peak: list):
+        super().__init__()
+        self.index, self.seen, self.peak = index, seen, peak
+        self.up, self.down = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        self.seen[self.index] = self.peak[0].live_bytes()
+        return x + self.down(self.up(x).tanh())
+
+
+def gathered_in_the_forward(ctx, ahead: int) -> dict[int, float]:
+    """Six blocks of one size, each fully_shard-ed (reshard_after_forward=True), then the root;
+    each block's forward list the next ``ahead`` blocks. Block i -> the bytes allocated during
+    the forward that are alive as its forward begins, in blocks' parameters (the shards and the
+    input aside; the activations of one row of 64 are about 1 % of a block)."""
+    from torch.distributed.fsdp import fully_shard
+
+    seen, peak = {}, []
+    with torch.random.fork_rng(devices=[]):
+        blocks = nn.ModuleList(SameSizeBlock(i, seen, peak) for i in range(6))
+    model = nn.Sequential(*blocks)
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(list(blocks[i + 1:i + 1 + ahead]))
+    block_bytes = sum(4 * p.numel() for p in blocks[0].parameters())
+    x = torch.randn(1, 64)
+    with AllocationPeak(ignore=[*model.parameters(), x]) as live:
+        peak.append(live)
+        model(x)
+    return {i: nbytes / block_bytes for i, nbytes in seen.items()}
+
+
+def test_the_forward_holds_two_blocks_gathered_and_one_more_per_block_prefetched():
+    """05 README, "When each all-gather starts" and "What stays": on 2 gloo ranks, as each
+    block's forward begins, a rank holds two blocks' whole parameters by default (the block's
+    own, and the all-gather's output it copied them out of, which FSDPParamGroup.wait_for_unshard
+    keeps in the forward until the next group's copy-out), and one more for each block
+    prefetched ahead: 2 + d while d blocks remain ahead."""
+    for ahead in (0, 1, 2):
+        for rank, got in enumerate(run_on_ranks(gathered_in_the_forward, ahead, world_size=2)):
+            want = {i: 2 + min(ahead, 5 - i) for i in range(6)}
+            assert {i: round(v) for i, v in got.items()} == want, (ahead, rank, got)
+            assert all(abs(v - want[i]) < 0.1 for i, v in got.items()), (ahead, rank, got)
+
+
 def test_an_int_reshard_after_forward_gathers_the_backward_from_fewer_ranks():
     """05 README, "`reshard_after_forward` can be an int": 2 on 4 ranks keeps half of each
     block after its forward (rank 0: ceil(rows / 2) rows of each) and all-gathers the backward's
@@ -1786,11 +2375,46 @@ def test_an_int_reshard_after_forward_gathers_the_backward_from_fewer_ranks():
             assert torch.equal(grad, base_grad), rank  # a gather copies; nothing is summed
 
 
+def int_reshard_at_the_ends(ctx) -> dict:
+    runs = {repr(k): tower_step(ctx, 2, None, k) for k in (1, 2, False, True)}  # 1 == True
+    return {k: (run["events"], run["held_after_forward"]) for k, run in runs.items()}
+
+
+def test_an_int_reshard_after_forward_of_one_or_every_rank_is_a_bool():
+    """05 README: "torch turns k = 1 into `False` and k = W into `True`": on 2 gloo ranks,
+    reshard_after_forward=1 gives False's step (the same collectives, whole blocks held after
+    the forward) and 2 gives True's."""
+    for rank, got in enumerate(run_on_ranks(int_reshard_at_the_ends, world_size=2)):
+        assert got["1"] == got["False"] and got["2"] == got["True"], (rank, got)
+        assert got["False"] != got["True"], (rank, got)
+
+
+def root_then_block(ctx) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    model = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=1, n_embd=8))
+    fully_shard(model)
+    try:
+        fully_shard(model.blocks[0])
+    except Exception as error:  # noqa: BLE001 - which exception is the claim
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_fully_shard_on_a_block_after_the_root_fails_without_naming_the_cause():
+    """05 README: "Shard the root first ...; `fully_shard` on a block then fails, in torch
+    2.14.1 with a `TypeError` from deep inside that names no cause" (2 gloo ranks)."""
+    for rank, got in enumerate(run_on_ranks(root_then_block, world_size=2)):
+        assert got != "no error", rank
+        assert "root" not in got.lower() and "bottom" not in got.lower(), (rank, got)
+        if torch.__version__.startswith("2.14."):  # the text names the type for 2.14.1 only
+            assert got.startswith("TypeError"), (rank, got)
+
+
 def build_peaks(ctx) -> dict:
     """05 README, the meta device: the most bytes a rank holds while building a deep,
     narrow GPT, eagerly then sharded, and on the meta device then materialised; its shards."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.experimental import implicit_replication
 
     config = GPTConfig(vocab_size=29, block_size=8, n_layer=6, n_head=2, n_embd=16, bias=True)
     peaks = {}
@@ -1803,8 +2427,7 @@ def build_peaks(ctx) -> dict:
             fully_shard(model)
             if how == "meta":
                 model.to_empty(device="cpu")
-                with implicit_replication():
-                    model.init_weights(torch.Generator().manual_seed(0))
+                model.init_weights(torch.Generator().manual_seed(0))
         peaks[how] = peak.bytes
         if how == "meta":
             eager = GPT(config, seed=0)
@@ -1817,12 +2440,51 @@ def build_peaks(ctx) -> dict:
             "largest": max(4 * p.numel() for p in GPT(config).parameters())}
 
 
+def copies_into_few_rows(ctx) -> dict:
+    """05 README, the meta device: a whole tensor copied into a Shard(0) DTensor under
+    implicit_replication(), for 2, 3 and 4 rows on this many ranks; and distribute_tensor with
+    src_data_rank=None given a different whole on each rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    copied = {}
+    for rows in (2, 3, 4):
+        param = distribute_tensor(torch.zeros(rows, 5), mesh, [Shard(0)])
+        try:
+            with implicit_replication():
+                param.copy_(torch.ones(rows, 5))
+            copied[rows] = ("copied", tuple(param.to_local().shape))
+        except RuntimeError as error:
+            copied[rows] = ("raised", "no valid strategy preserves this placement" in str(error))
+    own = distribute_tensor(torch.full((6, 2), float(ctx.rank)), mesh, [Shard(0)],
+                            src_data_rank=None)
+    return {"copied": copied, "own": own.to_local().unique().tolist()}
+
+
+def test_copying_a_whole_tensor_under_implicit_replication_needs_a_row_per_rank():
+    """05 README, the meta device: on 3 gloo ranks, copying a whole plain tensor into a Shard(0)
+    DTensor under implicit_replication() raises on every rank where the parameter has fewer
+    rows than ranks (2), and copies where it has as many or more (3; 4, where rank 2 holds
+    none): DTensor's is_tensor_shardable wants a dimension at least as large as the shards.
+    distribute_tensor(..., src_data_rank=None) cuts each rank's own whole, with no
+    communication (each rank's piece is of the tensor that rank passed)."""
+    results = run_on_ranks(copies_into_few_rows, world_size=3)
+    for rank, got in enumerate(results):
+        assert got["copied"][2] == ("raised", True), (rank, got)
+        assert got["copied"][3] == ("copied", (1, 5)), (rank, got)
+        assert got["copied"][4][0] == "copied", (rank, got)
+        assert got["own"] == [float(rank)], (rank, got)
+    assert results[2]["copied"][4] == ("copied", (0, 5)), results[2]
+
+
 def test_a_model_built_on_the_meta_device_peaks_at_its_shards():
     """05 README, "the meta device": on 2 ranks, a 6-block GPT of 83 kB peaks at 91 kB
-    built eagerly and at 50 kB built on meta (42 kB of shards, and a weight drawn and scaled),
-    and equals the eager build."""
+    built eagerly and at 52 kB built on meta (42 kB of shards, a weight drawn and scaled, and
+    this rank's piece of it), and equals the eager build."""
     got = run_on_ranks(build_peaks, world_size=2)[0]
     kb_ = {name: round(got[name] / 1000) for name in ("eager", "meta", "shards", "whole")}
-    assert kb_ == {"eager": 91, "meta": 50, "shards": 42, "whole": 83}, (kb_, got)
+    assert kb_ == {"eager": 91, "meta": 52, "shards": 42, "whole": 83}, (kb_, got)
     assert got["meta"] <= got["shards"] + 3 * got["largest"] < got["whole"], got
     assert got["equal"], "the meta-built model differs from the eager one"
