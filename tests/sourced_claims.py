@@ -234,4 +234,19 @@ CLAIMS: list[Sourced] = [
             "in dynamic mode the stage runs its submodule on the first micro-batch to infer what "
             "it sends (a forward pre-hook counted 5 forwards at step 0 and 4 later, m = 4, "
             "2 gloo ranks)"),
+    Sourced("10_long_sequences", "in the forward and again in the backward, so it does hold them "
+            "all",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:"
+            "_templated_ring_attention_backward",
+            "torch 2.14.1",
+            "the backward makes kv_rotater with the configured method (all-gather by default) "
+            "and dkv_rotater with _RotateMethod.ALL_TO_ALL always: keys and values gathered "
+            "again, their gradients passed to the next rank"),
+    Sourced("10_long_sequences", "Llama 3 all-gathers the keys and values",
+            "paper: Llama Team, The Llama 3 Herd of Models (arXiv 2407.21783), section 3.3.2, "
+            "context parallelism",
+            "arXiv 2407.21783",
+            "an all-gather based context parallelism: keys and values all-gathered, then "
+            "attention for the local queries; the sequence cut into 2 x CP chunks, rank i "
+            "taking the i-th and the (2 x CP - 1 - i)-th"),
 ]

@@ -2028,8 +2028,8 @@ def test_context_parallel_handles_only_sdpas_cuda_kernels():
 
 
 def test_context_parallel_all_gathers_by_default_and_balances_only_lengths_of_2w():
-    """Lesson 10: "By default each rank all-gathers every rank's keys and values at once;
-    set_rotate_method("alltoall") passes them around the ring instead. It uses the head-tail
+    """Lesson 10: "By default each rank all-gathers every rank's keys and values at once ...
+    set_rotate_method("alltoall") passes them to the next rank instead. It uses the head-tail
     split whenever the length divides by 2W, whatever the mask"; "Torch 2.11 picks the
     head-tail split for any length". What 2.14 does with other lengths: the next test."""
     attention, balancers = _context_parallel_modules()
@@ -2046,8 +2046,11 @@ def test_context_parallel_all_gathers_by_default_and_balances_only_lengths_of_2w
     assert isinstance(make(16, 4, "cpu"), balancers._HeadTailLoadBalancer)
     if make(12, 4, "cpu") is None or not older_than_2_14():
         assert make(12, 4, "cpu") is None  # 12 tokens do not cut into 8 chunks
-    else:  # "2.11 chooses it whatever the length"
+    else:  # "2.11 picks the head-tail split for any length and fails an assertion on one
+        # that does not divide by 2W"
         assert isinstance(make(12, 4, "cpu"), balancers._HeadTailLoadBalancer)
+        with pytest.raises(AssertionError):
+            make(12, 4, "cpu")._generate_indices()
     assert "is_causal" not in inspect.signature(make).parameters  # the mask plays no part
 
 
@@ -2465,14 +2468,17 @@ def copies_into_few_rows(ctx) -> dict:
 
 def test_copying_a_whole_tensor_under_implicit_replication_needs_a_row_per_rank():
     """05 README, the meta device: on 3 gloo ranks, copying a whole plain tensor into a Shard(0)
-    DTensor under implicit_replication() raises on every rank where the parameter has fewer
-    rows than ranks (2), and copies where it has as many or more (3; 4, where rank 2 holds
-    none): DTensor's is_tensor_shardable wants a dimension at least as large as the shards.
-    distribute_tensor(..., src_data_rank=None) cuts each rank's own whole, with no
-    communication (each rank's piece is of the tensor that rank passed)."""
+    DTensor under implicit_replication() raises in torch 2.14 on every rank where the parameter
+    has fewer rows than ranks (2; torch 2.11 copied it), and copies where it has as many or more
+    (3; 4, where rank 2 holds none): DTensor's is_tensor_shardable wants a dimension at least as
+    large as the shards. distribute_tensor(..., src_data_rank=None) cuts each rank's own whole,
+    with no communication (each rank's piece is of the tensor that rank passed)."""
     results = run_on_ranks(copies_into_few_rows, world_size=3)
     for rank, got in enumerate(results):
-        assert got["copied"][2] == ("raised", True), (rank, got)
+        if older_than_2_14() and got["copied"][2][0] == "copied":
+            assert got["copied"][2] == ("copied", (1, 5) if rank < 2 else (0, 5)), (rank, got)
+        else:
+            assert got["copied"][2] == ("raised", True), (rank, got)
         assert got["copied"][3] == ("copied", (1, 5)), (rank, got)
         assert got["copied"][4][0] == "copied", (rank, got)
         assert got["own"] == [float(rank)], (rank, got)
