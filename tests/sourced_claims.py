@@ -192,14 +192,15 @@ CLAIMS: list[Sourced] = [
             "0, which _signal_job sends as KILL_STEPS_ONLY: every step but the batch script's "
             "(where srun runs); end_time is set to now + GraceTime"),
     Sourced("09_survive_and_scale_out", "the srun of Slurm 22.05 and 23.02 does not read "
-            "SLURM_CPUS_PER_TASK, and its step asks for one CPU per task",
+            "SLURM_CPUS_PER_TASK, and then binds each task to one CPU",
             "slurm:RELEASE_NOTES (22.05: \"srun will no longer read in SLURM_CPUS_PER_TASK\"; "
             "23.11 reads it again); src/srun/libsrun/opt.c env_vars (SRUN_CPUS_PER_TASK, 22.05); "
             "src/srun/libsrun/launch.c:_create_job_step_create_request",
             "Slurm 22.05.0 and 23.11.0",
             "22.05 maps only SRUN_CPUS_PER_TASK to -c; without -c, step_req->cpu_count = "
-            "opt_local->ntasks (one CPU per task); with -c, cpu_count = ntasks * cpus_per_task "
-            "and SLURM_CPUS_PER_TASK is set for the task (src/common/env.c:setup_env)"),
+            "opt_local->ntasks and the step is whole (SSF_WHOLE) but each task is bound with "
+            "cpus_per_task = 1; with -c, cpu_count = ntasks * cpus_per_task and "
+            "SLURM_CPUS_PER_TASK is set for the task (src/common/env.c:setup_env)"),
     Sourced("09_survive_and_scale_out", "by default the agent of GROUP_RANK 0 hosts it",
             "torch:distributed/elastic/rendezvous/dynamic_rendezvous.py:"
             "DynamicRendezvousHandler.next_rendezvous",
@@ -249,4 +250,27 @@ CLAIMS: list[Sourced] = [
             "an all-gather based context parallelism: keys and values all-gathered, then "
             "attention for the local queries; the sequence cut into 2 x CP chunks, rank i "
             "taking the i-th and the (2 x CP - 1 - i)-th"),
+    Sourced("09_survive_and_scale_out", "with ProctrackType=proctrack/cgroup, the usual setting",
+            "slurm: src/slurmd/slurmstepd/req.c, _handle_signal_container (proctrack_g_signal on "
+            "the step's container); src/plugins/proctrack/pgid/proctrack_pgid.c, "
+            "proctrack_p_signal (killpg of the task's process group)",
+            "Slurm 24.05.0",
+            "cgroup tracking signals every descendant of the task; pgid tracking only its "
+            "process group, which torchrun's workers leave (start_new_session)"),
+    Sourced("09_survive_and_scale_out", "which waits about two minutes in the queue",
+            "slurm: src/slurmctld/job_mgr.c, the requeue of a running job (begin_time = now + "
+            "cred_expiration() + 1)",
+            "Slurm 24.05.0",
+            "a job requeued while it runs may not start again before its credentials expire, "
+            "120 s by default"),
+    Sourced("09_survive_and_scale_out", "--open-mode=append keeps the first run's log",
+            "slurm: src/slurmd/slurmstepd/io.c, io_get_file_flags",
+            "Slurm 24.05.0",
+            "output files are opened with O_TRUNC unless --open-mode=append or JobFileAppend=1"),
+    Sourced("09_survive_and_scale_out", "if its partition gives a GraceTime",
+            "slurm: src/slurmctld/preempt.c and job_mgr.c, _job_check_grace_internal "
+            "(KILL_STEPS_ONLY); slurm.conf's GraceTime",
+            "Slurm 24.05.0",
+            "with a grace time the steps get SIGTERM and the job may end by itself and be "
+            "requeued; without one it is terminated at once, KillWait then SIGKILL"),
 ]

@@ -1992,6 +1992,47 @@ def test_a_subprocess_timeout_kills_torchrun_alone_and_leaves_its_workers(tmp_pa
     assert orphan, "the worker, in a session of its own, outlives a torchrun killed with SIGKILL"
 
 
+SPAWNED_LOADER = '''
+import os, signal, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class Slow(Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return torch.tensor(i)
+
+if __name__ == "__main__":
+    caught = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: caught.append(signum))
+    loader = DataLoader(Slow(), num_workers=1, multiprocessing_context="spawn")
+    batches = iter(loader)
+    next(batches)  # the worker is up
+    os.kill(batches._workers[0].pid, signal.SIGUSR1)  # what srun does to every process
+    try:
+        for _ in range(100):
+            next(batches)
+        print("the step went on", caught)
+    except RuntimeError as error:
+        print("the step died:", caught, error)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_spawned_dataloader_worker_dies_of_the_warning_the_step_handles(tmp_path):
+    """09 README: "Every process of the step gets the signal, helpers too: a `DataLoader`
+    worker started by spawn dies of SIGUSR1 and takes the step with it" (the main process
+    handles SIGUSR1; its spawned worker, which did not inherit the handler, is sent it too)."""
+    script = tmp_path / "loader.py"
+    script.write_text(SPAWNED_LOADER)
+    run_ = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=100)
+    assert "the step died: []" in run_.stdout and "exited unexpectedly" in run_.stdout, (
+        run_.stdout[-2000:], run_.stderr[-2000:])
+
+
 # ---------------------------------------------------------------- lesson 10: context parallel
 
 
