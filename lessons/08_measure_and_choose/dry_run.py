@@ -5,8 +5,8 @@ any number), in one process, with torch's fake process group.
 
 Before asking a cluster for 128 GPUs, check what each of them would hold and send. The "fake"
 backend accepts any rank and world size in one process, and its collectives complete at once,
-without any other rank, as if every rank held this one's tensors (an all-reduce leaves its
-tensor as it is; an all-gather fills its output with copies of this rank's input): the numbers
+without any other rank, using this rank's tensors alone (an all-reduce leaves its tensor as it
+is; an all-gather fills its output with copies of this rank's input): the numbers
 a fake step computes mean nothing, while its shapes, and the collectives that made them, are
 the real job's. So one process plays each rank in turn:
 
