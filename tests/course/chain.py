@@ -112,8 +112,14 @@ def diff(step: Step) -> str:
 
 
 def block(step: Step) -> str:
-    """What the README shows between (and including) the markers."""
-    return f"{BEGIN.format(step=step.name)}\n```diff\n{diff(step)}```\n{END}"
+    """What the README shows between (and including) the markers: the diff, collapsed (one click
+    opens it), so that the lesson's text reads on around it."""
+    counts = count(step)
+    summary = (f"The diff: <code>lessons/{step.name}</code> against "
+               f"<code>lessons/{step.script.builds_on}</code> ({counts.added} lines added, "
+               f"{counts.removed} removed)")
+    return (f"{BEGIN.format(step=step.name)}\n<details markdown>\n<summary>{summary}</summary>"
+            f"\n\n```diff\n{diff(step)}```\n\n</details>\n{END}")
 
 
 def shown_blocks(readme_text: str) -> dict[str, str]:
