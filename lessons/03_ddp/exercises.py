@@ -113,9 +113,10 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
 class GradientBuckets:
     """Average gradients across ranks *while* backward runs, the way DDP does.
 
-    ``GradientBuckets(model, bucket_size)`` groups the parameters into buckets in reverse
-    order (backward produces the last layer's gradients first), each holding up to
-    ``bucket_size`` elements (a parameter larger than that gets a bucket of its own). It
+    ``GradientBuckets(model, bucket_size)`` groups the parameters that require a gradient
+    (a frozen one is in no bucket) into buckets in reverse order (backward produces the last
+    layer's gradients first), each holding up to ``bucket_size`` elements (a parameter larger
+    than that gets a bucket of its own). It
     registers a hook on every parameter (``register_post_accumulate_grad_hook``) that notes the
     gradient is ready; when every parameter of a bucket is ready, the hook flattens the
     bucket's gradients into one tensor and starts ``dist.all_reduce(..., async_op=True)``.

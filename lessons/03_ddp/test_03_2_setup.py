@@ -140,6 +140,9 @@ def test_setup_sets_the_device_before_joining_with_a_timeout(ex, monkeypatch, ba
     assert len(inits) == 1, f"{where}: init_process_group was called {len(inits)} times, not once"
     assert devices, (f"{where}: torch.cuda.set_device was never called: call "
                      f"torch.cuda.set_device(local_rank) before init_process_group")
+    assert len(devices) == 1, (
+        f"{where}: torch.cuda.set_device was called {len(devices)} times ({devices}): call it "
+        f"once, with LOCAL_RANK")
     assert devices == [1], (
         f"{where}: torch.cuda.set_device({devices[0]}) was called: the GPU index is LOCAL_RANK "
         f"(1), not RANK (3)")

@@ -98,9 +98,10 @@ def test_save_on_rank0_writes_once_atomically_and_everyone_waits(ex, tmp_path, a
                                pg_timeout=GRADE_TIMEOUT, timeout=40)
     except RankError as error:
         if "Timed out" not in str(error):
-            raise AssertionError(f"save_on_rank0 failed on a rank (if several ranks write the "
-                                 f"same file, they race: only rank 0 should write):\n{error}"
-                                 ) from None
+            why = (" given the path as a str: take Path(path) first" if as_text
+                   and "AttributeError" in str(error) else " (if several ranks write the same "
+                   "file, they race: only rank 0 should write)")
+            raise AssertionError(f"save_on_rank0 raised on a rank{why}:\n{error}") from None
         raise AssertionError(
             f"save_on_rank0 did not return on every rank within {GRADE_TIMEOUT} s: is "
             f"dist.barrier() inside `if rank == 0`? Every rank must call it.\n{error}") from None

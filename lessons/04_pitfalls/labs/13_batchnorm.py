@@ -10,8 +10,8 @@ updates its own running statistics. So DDP is no longer "one GPU with batch W x 
 gradients differ, small per-rank batches give noisy statistics, and the running statistics
 differ between ranks (DDP copies rank 0's buffers to the others at each forward, so the
 saved model keeps statistics of rank 0's data only). ``nn.SyncBatchNorm`` computes the
-statistics over all ranks at every training forward; it needs GPU tensors (CUDA, or XPU and
-HPU): on a CPU it raises.
+statistics over all ranks at every training forward; it needs accelerator tensors (CUDA or
+XPU, for example): on a CPU it raises.
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ def demo(fix: bool) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     model = make_model()
     if fix:
-        if not on_gpu:
-            return {"rank": rank, "skipped": "SyncBatchNorm needs GPU tensors (it raises "
-                                              "on a CPU): run on one GPU per rank"}
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if not on_gpu:
+            try:
+                model(shard(rank))  # a training forward on the CPU
+            except ValueError as error:
+                return {"rank": rank, "skipped": f"SyncBatchNorm needs GPU tensors: on a CPU it "
+                                                  f"raises ({error}); run on one GPU per rank"}
     torch.backends.cuda.matmul.allow_tf32 = False  # compared with a CPU run: full fp32
     model = DDP(model.to(device), device_ids=[device.index] if on_gpu else None)
     model(shard(rank).to(device)).pow(2).mean().backward()
