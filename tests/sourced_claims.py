@@ -143,13 +143,14 @@ CLAIMS: list[Sourced] = [
             "device_id's docstring: given it, the backend is bound to the device and \"may "
             "make use of it for eager initialization\"; without it NCCL creates its "
             "communicator at the first collective"),
-    Sourced("00_single_gpu", "torch 2.14 no longer asks (each stream has its own cuBLAS "
-            "workspace)",
+    Sourced("00_single_gpu", "torch 2.11 and newer no longer ask (each stream has its own "
+            "cuBLAS workspace; pull request 161749, 2025)",
             "release: pytorch/pytorch pull request 161749 (\"update cuBLAS determinism docs, "
             "remove workspace requirement checks\", 2025); torch 2.14.1's libtorch_cuda.so no "
             "longer holds the old error (\"...because it uses CuBLAS and you have CUDA >= "
-            "10.2\") and use_deterministic_algorithms's docstring no longer names the variable",
-            "torch 2.14.1",
+            "10.2\") and use_deterministic_algorithms's docstring no longer names the variable; "
+            "nor does 2.11.0's",
+            "torch 2.11.0 and 2.14.1",
             "torch allocates a cuBLAS workspace per handle and stream (pull request 85447), "
             "which cuBLAS documents as enough for reproducible results"),
     Sourced("09_survive_and_scale_out", "does not forward it: kills the step with SIGKILL",
@@ -190,7 +191,10 @@ CLAIMS: list[Sourced] = [
             "Slurm 24.05.0",
             "with a grace time: job_signal(job_ptr, SIGCONT, 0, ...), then SIGTERM with flags "
             "0, which _signal_job sends as KILL_STEPS_ONLY: every step but the batch script's "
-            "(where srun runs); end_time is set to now + GraceTime"),
+            "(where srun runs); end_time is set to now + GraceTime. Unless the cluster sets "
+            "PreemptParameters=send_user_signal and the job has a --signal: then "
+            "send_job_warn_signal sends the job's own signal instead (with B:, to the batch "
+            "shell alone)"),
     Sourced("09_survive_and_scale_out", "the srun of Slurm 22.05 and 23.02 does not read "
             "SLURM_CPUS_PER_TASK, and then binds each task to one CPU",
             "slurm:RELEASE_NOTES (22.05: \"srun will no longer read in SLURM_CPUS_PER_TASK\"; "
@@ -228,13 +232,13 @@ CLAIMS: list[Sourced] = [
             "NCCL 2.28 documentation",
             "ncclSend and ncclRecv are blocking for the GPU; operations that need to progress "
             "concurrently must be fused within ncclGroupStart()/ncclGroupEnd()"),
-    Sourced("07_pipeline_parallel", "torch 2.14 runs micro-batch 0's forward once more on the "
-            "first step to learn them",
+    Sourced("07_pipeline_parallel", "torch runs the stage's forward once more on the first step "
+            "to learn them, 2.14 on micro-batch 0 itself, 2.11 on zeros of its shape",
             "torch:distributed/pipelining/stage.py:PipelineStage._forward_metadata_inference",
-            "torch 2.14.1",
+            "torch 2.14.1 (and 2.11.0's PipelineStage._shape_inference)",
             "in dynamic mode the stage runs its submodule on the first micro-batch to infer what "
             "it sends (a forward pre-hook counted 5 forwards at step 0 and 4 later, m = 4, "
-            "2 gloo ranks)"),
+            "2 gloo ranks); 2.11 runs it under no_grad on zeros_like of micro-batch 0"),
     Sourced("10_long_sequences", "in the forward and again in the backward, so it does hold them "
             "all",
             "torch:distributed/tensor/experimental/_context_parallel/_attention.py:"
@@ -273,4 +277,11 @@ CLAIMS: list[Sourced] = [
             "Slurm 24.05.0",
             "with a grace time the steps get SIGTERM and the job may end by itself and be "
             "requeued; without one it is terminated at once, KillWait then SIGKILL"),
+    Sourced("04_pitfalls", "10 with NCCL when the backend is \"nccl\", named or taken from a CUDA "
+            "device_id",
+            "torch:distributed/distributed_c10d.py:init_process_group",
+            "torch 2.14.1",
+            "with no backend but a device_id, the backend comes from default_device_backend_map "
+            "(cuda: nccl) before timeout = _get_default_timeout(backend), which gives 10 minutes "
+            "only for backend == \"nccl\""),
 ]

@@ -1183,11 +1183,9 @@ def test_the_fake_process_group_plays_any_rank_and_moves_nothing_between_ranks()
         dist.destroy_process_group()
 
 
-def test_the_fake_process_group_needs_no_store_on_torch_2_14():
-    """08 README, a dry run: "torch 2.14 makes the FakeStore itself when given none"
-    (`init_process_group` in distributed_c10d.py; only 2.14.1's source was read)."""
-    if older_than_2_14():
-        pytest.skip("read in torch 2.14.1's source only; the text says 2.14")
+def test_the_fake_process_group_needs_no_store():
+    """08 README, a dry run: "torch makes the FakeStore itself when given none: 2.11 and 2.14
+    both do" (`init_process_group` in distributed_c10d.py; run on both)."""
     if dist.is_initialized():
         pytest.skip("this process already has a default process group")
     dist.init_process_group("fake", rank=5, world_size=128)  # no store, no init_method, no env
@@ -1695,9 +1693,10 @@ def ddp_on_two_gloo_ranks(folder, *debug_levels: str) -> dict:
 @pytest.mark.timeout(240)
 def test_ddp_on_gloo_crashes_under_torch_distributed_debug_detail(tmp_path):
     """04 README and doctor.py: on gloo, building a DDP model under
-    TORCH_DISTRIBUTED_DEBUG=DETAIL kills the process with a segfault (torch 2.13.0 and 2.14.1:
-    in DDP's construction-time logging, c10d::Logger::set_construction_data_and_log, which casts
-    the group's gloo backend, by then DETAIL's wrapper, to ProcessGroupGloo); the group joins
+    TORCH_DISTRIBUTED_DEBUG=DETAIL kills the process with a segfault (torch 2.11.0, 2.13.0 and
+    2.14.1: in DDP's construction-time logging, c10d::Logger::set_construction_data_and_log,
+    which casts the group's gloo backend, by then DETAIL's wrapper, to ProcessGroupGloo); the
+    group joins
     first, so it is DDP, not DETAIL's wrapped group, that crashes. INFO builds and trains."""
     got = ddp_on_two_gloo_ranks(tmp_path, "DETAIL", "INFO")
     detail, info = got["DETAIL"], got["INFO"]

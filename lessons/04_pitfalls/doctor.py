@@ -58,7 +58,7 @@ NEXT_STEPS = {
         "that not every rank reaches (lesson 04, labs 05 and 06). "
         "TORCH_DISTRIBUTED_DEBUG=DETAIL checks that all ranks call the same collectives in the "
         "same order, but on gloo a DDP model crashes (a segfault) as it is built under it "
-        "(torch 2.13 and 2.14): there, read the stacks (next step). On NCCL, read the flight "
+        "(torch 2.11 to 2.14): there, read the stacks (next step). On NCCL, read the flight "
         "recorder: on a timeout every rank writes "
         "its last collectives to a file (by default in torch 2.14; TORCH_NCCL_TRACE_BUFFER_SIZE="
         "2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 in older releases), and torchfrtrace compares them.",
@@ -114,7 +114,7 @@ KNOBS = {
         "OFF", "INFO: more logs; DETAIL: every collective is checked across ranks first",
         {"DETAIL": "an extra gloo barrier and comparison before every collective: debugging "
                    "only, never in a timed run; on gloo, a DDP model crashes (a segfault) as "
-                   "it is built (torch 2.13, 2.14)"}),
+                   "it is built (torch 2.11 to 2.14)"}),
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": Knob(
         "3; torchrun sets 1", "what the watchdog does to a failed or timed-out collective "
                               "(3, 1: end the process; 2: only abort NCCL's communicators; 0: "
@@ -528,7 +528,7 @@ def main(argv=None) -> None:
     doctor.say("next steps: if your training still hangs, the cause is likely in its code: a "
                "collective not every rank reaches (lesson 04, labs 05 and 06). Run it with "
                "TORCH_DISTRIBUTED_DEBUG=DETAIL, except DDP on gloo, which crashes under it "
-               "(torch 2.13, 2.14): read each rank's stack instead (lesson 09); on NCCL, read "
+               "(torch 2.11 to 2.14): read each rank's stack instead (lesson 09); on NCCL, read "
                "the flight recorder's dumps (lesson 04's settings, lesson 09).")
     doctor.write_result()
     dist.barrier()  # nobody tears down the group while another rank still uses it

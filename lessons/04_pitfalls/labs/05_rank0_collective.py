@@ -9,8 +9,8 @@ A collective (barrier, all_reduce, broadcast, even an evaluation helper that all
 metric) completes only when every rank calls it. Put one inside ``if rank == 0:`` and rank 0
 waits for partners that have gone on to the next training step, where they wait for rank 0 in
 DDP's all-reduce. Both sides wait until the process group's timeout (by default 30 minutes
-with gloo, 10 with NCCL; this lab sets ``--timeout`` seconds), then fail. The fix: only the
-work goes inside the ``if``; the barrier comes after it, called by every rank.
+with gloo, 10 when the backend is "nccl"; this lab sets ``--timeout`` seconds), then fail. The
+fix: only the work goes inside the ``if``; the barrier comes after it, called by every rank.
 """
 
 from __future__ import annotations

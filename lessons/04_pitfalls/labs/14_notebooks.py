@@ -15,7 +15,7 @@ wrong there:
   import, without an ``if __name__ == "__main__":`` guard, runs again in every child.
 - ``dist.init_process_group(..., world_size=2)`` in the kernel waits for a second process
   that nobody starts: the cell hangs for the whole timeout (by default 30 minutes with gloo,
-  10 with NCCL).
+  10 when the backend is "nccl").
 
 The fix: keep the training code in a script with a ``__main__`` guard (``%%writefile
 train.py`` in a notebook) and start it with ``torchrun`` as a subprocess, waiting with a
