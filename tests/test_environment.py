@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -162,3 +163,20 @@ def test_every_lesson_script_runs_at_its_smallest_size():
                 failures[name] = run.output[-2500:]
     print(json.dumps(timings, indent=1))
     assert not failures, "\n\n".join(f"== {name} ==\n{out}" for name, out in failures.items())
+
+
+def test_the_gpu_checks_collect_with_torch_pytest_and_pytest_timeout_alone(tmp_path):
+    """The GPU machine's image has torch, pytest and pytest-timeout, not hypothesis, mkdocs or
+    jupytext: `pytest lessons -m gpu --solutions` (what .ci/gpu-checks runs) must collect there.
+    Those packages are hidden here by modules of the same names that refuse to import (and
+    hypothesis's pytest plugin, which its absence would take away, is turned off)."""
+    for name in ("hypothesis", "mkdocs", "jupytext", "nbformat"):
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('no {name} on the GPU image')\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:hypothesispytest", "lessons", "-m", "gpu",
+         "--solutions", "--collect-only", "-q"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 0, (
+        f"the GPU checks do not collect without hypothesis, mkdocs and jupytext:\n"
+        f"{run.stdout[-3000:]}\n{run.stderr[-2000:]}")
