@@ -1632,12 +1632,17 @@ def library_holds(library, *texts: bytes) -> list[bytes]:
         return [text for text in texts if data.find(text) == -1]
 
 
-def debug_level_with(value: str | None) -> subprocess.CompletedProcess:
+def env_with_debug_level(value: str | None) -> dict:
+    """This process's environment with TORCH_DISTRIBUTED_DEBUG set to ``value`` (None: unset)."""
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_DEBUG"}
     env.update({} if value is None else {"TORCH_DISTRIBUTED_DEBUG": value})
+    return env
+
+
+def debug_level_with(value: str | None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "import torch.distributed as d; "
-                           "print(d.get_debug_level())"], env=env, capture_output=True,
-                          text=True, timeout=120)
+                           "print(d.get_debug_level())"], env=env_with_debug_level(value),
+                          capture_output=True, text=True, timeout=120)
 
 
 DDP_UNDER_DEBUG = """
@@ -1664,13 +1669,11 @@ def ddp_on_two_gloo_ranks(folder, *debug_levels: str) -> dict:
     is killed."""
     procs = {}
     for debug in debug_levels:
-        env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_DEBUG"}
-        env["TORCH_DISTRIBUTED_DEBUG"] = debug
         store = folder / f"store-{debug}"
         procs[debug] = [
             subprocess.Popen([sys.executable, "-c", DDP_UNDER_DEBUG, str(rank), str(store)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True) for rank in range(2)]
+                             env=env_with_debug_level(debug), stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True) for rank in range(2)]
     deadline = time.monotonic() + 120
     got = {}
     try:

@@ -61,32 +61,30 @@ def launches(tmp_path_factory):
     # srun (slurm/srun, one task per emulated node, hosts 127.0.0.1 and 127.0.0.2, each a
     # torchrun of one process). Once step 3 is saved, sbatch's stand-in signals the batch shell
     # as SLURM does before the time limit; the job stops, requeues itself, starts again, resumes.
+    def batch_job(script, checkpoints, job_id: str, **launch):
+        """The batch script under sbatch's stand-in, signalled once step 3 is saved."""
+        return start_script(
+            f"lessons/{LESSON}/slurm/sbatch", str(script), *PREEMPTED, launcher="bash",
+            timeout=LAUNCH_TIMEOUT, **launch,
+            env={"PATH": path_with(REPO_ROOT / SBATCH.rsplit("/", 1)[0]), "SAVE_EVERY": "3",
+                 "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": job_id,
+                 "FAKE_SLURM_NODES": "2", "CHECKPOINTS": str(checkpoints),
+                 "FAKE_SLURM_SIGNAL_WHEN": str(checkpoints / "step-00000003")})
+
     folders["two nodes"] = tmp_path_factory.mktemp("slurm")
-    runs["two nodes"] = start_script(
-        f"lessons/{LESSON}/slurm/sbatch", SBATCH, *PREEMPTED, launcher="bash",
-        timeout=LAUNCH_TIMEOUT,
-        env={"PATH": path_with(REPO_ROOT / SBATCH.rsplit("/", 1)[0]), "SAVE_EVERY": "3",
-             "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4242", "FAKE_SLURM_NODES": "2",
-             "CHECKPOINTS": str(folders["two nodes"]),
-             "FAKE_SLURM_SIGNAL_WHEN": str(folders["two nodes"] / "step-00000003")})
+    runs["two nodes"] = batch_job(SBATCH, folders["two nodes"], "4242")
     # The recipe real srun breaks, under the stand-in that behaves as it: the batch script whose
     # trap passes the warning on as SIGTERM to srun, stopped there (no requeue, no second run).
-    folders["sigterm to srun"] = tmp_path_factory.mktemp("sigterm-to-srun")
-    old_recipe = folders["sigterm to srun"] / "train.sbatch"
+    old_recipe = tmp_path_factory.mktemp("sigterm-to-srun") / "train.sbatch"
     text = (REPO_ROOT / SBATCH).read_text()
     for was, becomes in (("kill -USR1 \"$srun_pid\"", "kill -TERM \"$srun_pid\""),
                          ("exec scontrol requeue \"$SLURM_JOB_ID\"", "exit \"$status\"")):
         assert was in text, f"{SBATCH} no longer holds {was!r}: update the old recipe's test"
         text = text.replace(was, becomes)
     old_recipe.write_text(text)
-    folders["sigterm to srun"] = folders["sigterm to srun"] / "checkpoints"
-    runs["sigterm to srun"] = start_script(
-        f"lessons/{LESSON}/slurm/sbatch", str(old_recipe), *PREEMPTED, launcher="bash",
-        result=False, timeout=LAUNCH_TIMEOUT, check=False,
-        env={"PATH": path_with(REPO_ROOT / SBATCH.rsplit("/", 1)[0]), "SAVE_EVERY": "3",
-             "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": "4243", "FAKE_SLURM_NODES": "2",
-             "CHECKPOINTS": str(folders["sigterm to srun"]),
-             "FAKE_SLURM_SIGNAL_WHEN": str(folders["sigterm to srun"] / "step-00000003")})
+    folders["sigterm to srun"] = old_recipe.parent / "checkpoints"
+    runs["sigterm to srun"] = batch_job(old_recipe, folders["sigterm to srun"], "4243",
+                                        result=False, check=False)
     # An elastic job of two nodes (agents) on this machine: node 1 is lost after step 5, its
     # agent and its process killed at once; node 0's agent restarts its process alone.
     folders["elastic"] = tmp_path_factory.mktemp("elastic")

@@ -32,6 +32,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import time
 import zipfile
 from pathlib import Path
 
@@ -272,9 +274,6 @@ while :; do sleep 0.05; done
 def srun_stand_in(tmp_path, *options: str):
     """slurm/srun running SIGNAL_REPORTER on 2 emulated nodes, once both nodes' task and its
     child have said their pids: (the process, the report file)."""
-    import subprocess
-    import time
-
     tmp_path.mkdir(parents=True, exist_ok=True)
     script, report = tmp_path / "task.sh", tmp_path / "report"
     script.write_text(SIGNAL_REPORTER)
@@ -307,8 +306,6 @@ def test_the_srun_stand_in_forwards_usr1_to_every_process_and_kills_on_term(tmp_
     slurmstepd signals the step's whole container, src/slurmd/slurmstepd/req.c,
     _handle_signal_container): SIGUSR1 reaches every process of every node's task, its own
     session's child too; SIGTERM and SIGHUP reach none of them: every process is SIGKILLed."""
-    import time
-
     for stop in (signal.SIGTERM, signal.SIGHUP):
         process, report = srun_stand_in(tmp_path / stop.name)
         try:
