@@ -82,7 +82,7 @@ def test_a_stale_readme_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(chain.Step, "readme", property(lambda self: readme))
     assert "old diff" in chain.stale(step)
     readme.write_text("no block at all\n")
-    assert "shows no diff" in chain.stale(step)
+    assert "has no chain-diff block" in chain.stale(step)
 
 
 def _top_level(path: Path) -> dict[str, str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import re
 import sys
 from pathlib import Path
 
@@ -28,17 +27,14 @@ if __package__ in (None, ""):  # run as a file: make `course` and `harness` impo
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "lessons")]
 
 from course.manifest import COURSE, Lesson, Script  # noqa: E402
+from course.marked import Marked  # noqa: E402
 from harness.exercises import LESSONS_DIR  # noqa: E402
 
 MAX_CHANGED_LINES = 60
 MAX_SCRIPT_LINES = 180  # a step, whole, is read in one sitting
 CONTEXT_LINES = 2
 
-BEGIN = ("<!-- chain-diff {step}: generated from the files by "
-         "`python tests/course/chain.py --write`; do not edit by hand -->")
-END = "<!-- /chain-diff -->"
-_BLOCK = re.compile(r"<!-- chain-diff (?P<step>\S+): .*?-->\n(?P<body>.*?)<!-- /chain-diff -->",
-                    re.DOTALL)
+MARKED = Marked("chain-diff", "the files", "python tests/course/chain.py --write")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,38 +114,26 @@ def block(step: Step) -> str:
     summary = (f"The diff: <code>lessons/{step.name}</code> against "
                f"<code>lessons/{step.script.builds_on}</code> ({counts.added} lines added, "
                f"{counts.removed} removed)")
-    return (f"{BEGIN.format(step=step.name)}\n<details markdown>\n<summary>{summary}</summary>"
-            f"\n\n```diff\n{diff(step)}```\n\n</details>\n{END}")
-
-
-def shown_blocks(readme_text: str) -> dict[str, str]:
-    """step name -> the whole marked block, as the README has it now."""
-    return {m["step"]: m.group(0) for m in _BLOCK.finditer(readme_text)}
+    return MARKED.wrap(step.name, f"<details markdown>\n<summary>{summary}</summary>\n\n"
+                                  f"```diff\n{diff(step)}```\n\n</details>")
 
 
 def stale(step: Step) -> str | None:
     """Why ``step``'s README does not show its current diff, or None when it does."""
-    shown = shown_blocks(step.readme.read_text(encoding="utf-8")).get(step.name)
+    readme = f"lessons/{step.lesson.folder}/README.md"
+    shown = MARKED.shown(step.readme.read_text(encoding="utf-8")).get(step.name)
     if shown is None:
-        return (f"lessons/{step.lesson.folder}/README.md shows no diff for {step.name}: add the "
-                f"line\n{BEGIN.format(step=step.name)}\n{END}\nwhere it belongs, then run "
-                "`python tests/course/chain.py --write`")
+        return MARKED.missing(readme, step.name, "where the diff belongs")
     if shown != block(step):
-        return (f"lessons/{step.lesson.folder}/README.md shows an old diff of {step.name}: run "
-                "`python tests/course/chain.py --write`")
+        return f"{readme} shows an old diff of {step.name}: run `{MARKED.command}`"
     return None
 
 
 def write(step: Step) -> bool:
     """Put the current diff into the README's marked block; True when the file changed."""
-    text = step.readme.read_text(encoding="utf-8")
-    shown = shown_blocks(text).get(step.name)
-    if shown is None:
-        raise SystemExit(stale(step))
-    if shown == block(step):
-        return False
-    step.readme.write_text(text.replace(shown, block(step)), encoding="utf-8")
-    return True
+    if (why := stale(step)) and "no chain-diff block" in why:
+        raise SystemExit(why)
+    return MARKED.replace(step.readme, step.name, block(step))
 
 
 def table() -> str:
