@@ -260,6 +260,12 @@ PROBLEMS_JS = r"""(() => {
   return JSON.stringify(problems);
 })()""".replace("RAW_TEX", json.dumps(RAW_TEX))
 
+# Code and output blocks a reader has to scroll sideways: how many, and the widest's overflow.
+WIDE_CODE_JS = """JSON.stringify([...document.querySelectorAll("article pre > code")]
+  .filter(e => e.scrollWidth > e.clientWidth + 1 && e.offsetParent !== null)
+  .map(e => [e.scrollWidth, e.clientWidth, e.textContent.split("\\n").find(
+      l => l.length === Math.max(...e.textContent.split("\\n").map(x => x.length))).slice(0, 50)]))"""
+
 # Where each diagram and displayed formula is, in page coordinates, for --diagrams.
 DIAGRAMS_JS = """JSON.stringify([...document.querySelectorAll(
     "div.mermaid, article img, div.arithmatex")]
@@ -394,6 +400,11 @@ def check_page(browser: Chromium, base: str, path: str, html: str,
             report.problems.append(
                 f"{wanted - drawn} of the page's {wanted} mermaid diagrams did not render to SVG")
         report.problems += problems + evaluate(PROBLEMS_JS)
+        wide = evaluate(WIDE_CODE_JS)
+        if wide:
+            most = max(wide, key=lambda w: w[0] - w[1])
+            report.notes.append(f"{len(wide)} code blocks scroll sideways; the widest needs "
+                                f"{most[0]} px of {most[1]} (\"{most[2]}\")")
         if diagrams_to is not None:
             save_diagrams(browser, session, evaluate(DIAGRAMS_JS), path, diagrams_to)
         report.problems += event_problems(browser.events_since(since), session, base)
