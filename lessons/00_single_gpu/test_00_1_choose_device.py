@@ -72,6 +72,8 @@ def assert_refused(ex, requested, gpus: int, why: str) -> str:
 @pytest.mark.parametrize("gpus", [0, 2])
 @pytest.mark.parametrize("requested", [None, "auto"])
 def test_choose_device_auto_takes_a_gpu_only_when_there_is_one(ex, monkeypatch, requested, gpus):
+    """`None` and `"auto"` give `cuda` on an imitated machine with 2 GPUs and `cpu` on one with none
+    (`torch.cuda.is_available` and `device_count` replaced, so it runs on a CPU)."""
     imitate_machine(monkeypatch, gpus)
     got = ex.choose_device(requested)
     assert_device(got, "cuda" if gpus else "cpu", None, describe(requested, gpus))
@@ -86,6 +88,9 @@ def test_choose_device_auto_takes_a_gpu_only_when_there_is_one(ex, monkeypatch, 
     ("cuda:1", 2, "cuda", 1),
 ])
 def test_choose_device_honours_the_request(ex, monkeypatch, requested, gpus, device_type, index):
+    """An explicit request is honoured on imitated machines: `"cpu"` gives the CPU with 0 GPUs and
+    with 2 (a GPU does not override it); `"cuda"`, `"cuda:0"` and `"cuda:1"` give those devices with
+    2 GPUs."""
     imitate_machine(monkeypatch, gpus)
     got = ex.choose_device(requested)
     assert_device(got, device_type, index, describe(requested, gpus))
@@ -94,6 +99,8 @@ def test_choose_device_honours_the_request(ex, monkeypatch, requested, gpus, dev
 @pytest.mark.task0_1
 @pytest.mark.parametrize("requested", ["cuda", "cuda:0"])
 def test_choose_device_refuses_cuda_without_a_gpu(ex, monkeypatch, requested):
+    """`"cuda"` and `"cuda:0"` on an imitated machine without a GPU raise a ValueError whose message
+    names `cpu` as the way out."""
     imitate_machine(monkeypatch, 0)
     message = assert_refused(ex, requested, 0, "CUDA is not available")
     assert "cpu" in message.lower(), (
@@ -112,6 +119,8 @@ def test_choose_device_refuses_cuda_without_a_gpu(ex, monkeypatch, requested):
     ("cuda:x", 2, "not a device index"),
 ])
 def test_choose_device_refuses_what_it_cannot_give(ex, monkeypatch, requested, gpus, why):
+    """What cannot be given raises a ValueError with a message: `"cuda:2"` with 2 GPUs, `"cuda:1"`
+    with 1, and `"gpu"`, `"tpu"`, `""` and `"cuda:x"`, on imitated machines."""
     imitate_machine(monkeypatch, gpus)
     assert_refused(ex, requested, gpus, why)
 
@@ -120,6 +129,9 @@ def test_choose_device_refuses_what_it_cannot_give(ex, monkeypatch, requested, g
 @pytest.mark.parametrize(("requested", "gpus"), [("cuda:2", 2), ("cuda:5", 2), ("cuda:1", 1)])
 def test_choose_device_names_the_valid_range_when_the_index_is_too_high(ex, monkeypatch,
                                                                         requested, gpus):
+    """An index too high (`"cuda:2"` or `"cuda:5"` with 2 GPUs, `"cuda:1"` with 1) is refused with a
+    message that names the last valid device, `cuda:<count - 1>`, and no other index the machine
+    lacks."""
     imitate_machine(monkeypatch, gpus)
     message = assert_refused(ex, requested, gpus, f"there are only {gpus} GPU(s)")
     last = f"cuda:{gpus - 1}"

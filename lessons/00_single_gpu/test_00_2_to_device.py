@@ -78,24 +78,31 @@ def assert_moved(got, original, where: str = "batch") -> None:
 
 @pytest.mark.task0_2
 def test_to_device_moves_a_single_tensor(ex):
+    """A single tensor comes back on the `meta` device, its shape and dtype unchanged."""
     tensor = torch.arange(6.0).reshape(2, 3)
     assert_moved(ex.to_device(tensor, META), tensor, "to_device(tensor)")
 
 
 @pytest.mark.task0_2
 def test_to_device_keeps_an_inputs_targets_tuple(ex):
+    """An `(inputs, targets)` tuple comes back a tuple of its 2 tensors, both on `meta`, shapes and
+    dtypes kept."""
     batch = (torch.randn(4, 3), torch.tensor([0, 1, 1, 0]))
     assert_moved(ex.to_device(batch, META), batch)
 
 
 @pytest.mark.task0_2
 def test_to_device_keeps_a_nested_structure(ex):
+    """A dict holding tuples, lists and a dict keeps every container's type and every key in order;
+    its 4 tensors move to `meta`, and a string, a number and `None` come back as the very same
+    objects."""
     batch = nested_batch()
     assert_moved(ex.to_device(batch, META), batch)
 
 
 @pytest.mark.task0_2
 def test_to_device_keeps_a_namedtuple(ex):
+    """A namedtuple `Batch(inputs, targets)` comes back a `Batch`, its two tensors on `meta`."""
     Batch = collections.namedtuple("Batch", ["inputs", "targets"])
     batch = Batch(torch.randn(4, 3), torch.tensor([0, 1, 1, 0]))
     try:
@@ -109,6 +116,9 @@ def test_to_device_keeps_a_namedtuple(ex):
 @pytest.mark.task0_2
 @pytest.mark.parametrize("non_blocking", [True, False, "default"])
 def test_to_device_passes_non_blocking_on(ex, monkeypatch, non_blocking):
+    """`non_blocking` reaches `Tensor.to`: each of a nested batch's 4 tensors is moved once, with
+    `True`, with `False`, and with `False` when the argument is left out (`Tensor.to` wrapped to
+    record it)."""
     seen = []
     original_to = torch.Tensor.to
 

@@ -51,6 +51,9 @@ def parameters_match(model: nn.Module, other) -> bool:
 
 @pytest.mark.task0_3
 def test_train_step_matches_a_reference_loop_over_two_steps(ex):
+    """Two `train_step` calls on a small classifier with SGD, starting from stale gradients of 3.0,
+    return each loss before its update as a float and leave the parameters a reference loop
+    (`zero_grad`, forward, backward, `step`) reaches."""
     model = small_classifier()
     reference = copy.deepcopy(model)
     # Gradients left over from an earlier step: train_step must clear them before backward.

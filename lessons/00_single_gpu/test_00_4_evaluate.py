@@ -61,6 +61,8 @@ def ten_samples():
 
 @pytest.mark.task0_4
 def test_evaluate_is_the_exact_mean_over_all_samples(ex):
+    """`evaluate` returns, as a float, the mean loss over 10 samples in batches of 4, 4 and 2, equal
+    to one pass over all 10, not the mean of the 3 batch means nor the loss sum divided by 12."""
     loader = ten_samples()
     model = RecordingClassifier()
     loss_fn = nn.CrossEntropyLoss()
@@ -94,6 +96,8 @@ def test_evaluate_is_the_exact_mean_over_all_samples(ex):
 @pytest.mark.task0_4
 @pytest.mark.parametrize("start_in_training_mode", [True, False])
 def test_evaluate_uses_eval_mode_no_grad_and_restores_the_mode(ex, start_in_training_mode):
+    """Each of the 3 forward passes runs in eval mode with gradients off, no parameter gets a
+    gradient, and the model ends in the mode it started in (both tried: training and eval)."""
     model = RecordingClassifier()
     model.train(start_in_training_mode)
     ex.evaluate(model, ten_samples(), nn.CrossEntropyLoss())

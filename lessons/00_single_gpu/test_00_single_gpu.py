@@ -61,6 +61,9 @@ def all_windows(subset):
 
 
 def test_training_makes_the_validation_loss_go_down(train, data, one_thread):
+    """Two epochs of `train.py`'s loop on 256 training windows (tiny GPT, CPU, one thread) lower the
+    training loss and take the validation loss from about that of an even guess over 61 characters
+    to at least 0.5 lower, with an accuracy above always guessing the most common character."""
     dataset, train_set, val_set = data
     # 2 epochs over the first 256 training windows (32 steps, about a second), the full
     # validation set.
@@ -92,6 +95,9 @@ def test_training_makes_the_validation_loss_go_down(train, data, one_thread):
 
 
 def test_evaluate_in_train_py_is_exact_with_a_short_last_batch(train, data, one_thread):
+    """`gpt.run.evaluate`, the validation every script uses, gives the loss and accuracy per
+    character of one pass over all 112 windows (to 1e-5) when batches of 48 leave a last batch of
+    16, not the mean of the batch means."""
     dataset, train_set, val_set = data
     # An untrained model's loss is about ln(61) at every character, whichever batch it is in,
     # and would hide a wrong average: train it a little first, with a loop of our own.
@@ -134,6 +140,9 @@ def test_evaluate_in_train_py_is_exact_with_a_short_last_batch(train, data, one_
 
 
 def test_same_seed_gives_bitwise_identical_parameters_on_cpu(train, one_thread):
+    """`train.fit` on the CPU with seed 3, twice, gives bitwise identical parameters (`torch.equal`)
+    and the same result record, timings aside; seed 4 gives other parameters and another sha256
+    digest (one epoch of 4 steps)."""
     # One epoch of the first 512 windows in batches of 128 (4 steps) is enough to compare; the
     # seed sets the initial weights and the shuffle order.
     quick = {"epochs": 1, "batch_size": 128, "train_windows": 512, "log": quiet}
@@ -158,6 +167,8 @@ def test_same_seed_gives_bitwise_identical_parameters_on_cpu(train, one_thread):
 @pytest.mark.parametrize("device_name", ON_CPU_AND_GPU)
 def test_model_optimizer_state_and_data_live_on_the_chosen_device(train, data, device_name,
                                                                   one_thread):
+    """After a training epoch and an evaluation, the model's inputs, its parameters and AdamW's
+    state tensors are all on the chosen device, and the loaders pin host memory only for CUDA."""
     device = torch.device(device_name)
     dataset, train_set, val_set = data
     train_loader, val_loader = train.make_loaders(Subset(train_set, range(64)),
@@ -192,6 +203,8 @@ def test_model_optimizer_state_and_data_live_on_the_chosen_device(train, data, d
 
 @needs_gpus(1, "bf16 autocast training on CUDA")
 def test_fit_trains_on_cuda_with_bf16(train):
+    """`train.fit` with bf16 autocast on CUDA trains 2 epochs: the validation loss falls, the sample
+    changes, and every parameter stays fp32 on the GPU (skipped on a GPU without bfloat16)."""
     if not torch.cuda.is_bf16_supported():
         pytest.skip("needs a CUDA GPU with bfloat16 support; this one has none")
     model, result = train.fit(torch.device("cuda"), epochs=2, bf16=True, log=quiet)
@@ -224,6 +237,9 @@ def refused(train, monkeypatch, capsys, *argv: str) -> str:
 
 
 def test_train_py_refuses_cuda_without_a_gpu_in_one_line(train, monkeypatch, capsys):
+    """`train.py --device cuda` on an imitated machine without a GPU ends with exit code 2 before
+    training, with one line on stderr, `train.py: error: ...`, that names `'cuda'` and says `use
+    'cpu'`."""
     imitate_machine(monkeypatch, 0)
     err = refused(train, monkeypatch, capsys, "--device", "cuda")
     assert "'cuda'" in err and "use 'cpu'" in err, (
@@ -238,6 +254,9 @@ def test_train_py_refuses_cuda_without_a_gpu_in_one_line(train, monkeypatch, cap
 ])
 def test_train_py_refuses_a_device_it_cannot_use_in_one_line(train, monkeypatch, capsys,
                                                             requested, gpus, expected):
+    """`train.py` refuses `--device cuda:5` with 2 imitated GPUs (naming `cuda:0 .. cuda:1`), `gpu`
+    and `meta` (naming `'cpu'` and `'cuda'`) the same way: exit code 2, one line on stderr, no
+    training."""
     imitate_machine(monkeypatch, gpus)
     err = refused(train, monkeypatch, capsys, "--device", requested)
     missing = [part for part in expected if part not in err]
@@ -246,6 +265,9 @@ def test_train_py_refuses_a_device_it_cannot_use_in_one_line(train, monkeypatch,
 
 @pytest.mark.slow
 def test_train_script_runs_and_writes_its_result():
+    """`train.py --epochs 2 --train-windows 320`, run as a script, prints both epochs and writes a
+    result whose losses fall, with accuracies in [0, 1], a throughput, a sha256 digest and two
+    different 60-character samples."""
     # Two quick epochs (the first 320 windows): enough to see the loss fall. run_script adds
     # --result and reads the JSON back.
     run = run_script(LESSON_DIR / "train.py", "--epochs", "2", "--train-windows", "320")
@@ -268,8 +290,11 @@ def test_train_script_runs_and_writes_its_result():
 
 
 def test_a_shorter_sample_is_the_start_of_a_longer_one():
-    """Why a quick run may pass --sample-length 8 (or 0) and still be compared with a full run:
-    every character is drawn from the same generator, one draw each, in order."""
+    """A sample of 1, 8 or 59 characters is the start of the 60-character one, and 0 gives an empty
+    one: so a quick run may pass `--sample-length 8` (or 0) and still be compared with a full run.
+
+    Every character is drawn from the same generator, one draw each, in order. The test also checks
+    that 60 is the default and that a negative length is refused."""
     dataset = CharDataset(SIZES["tiny"]["block_size"])
     model = GPT(GPTConfig.named("tiny", vocab_size=dataset.vocab_size), seed=0)
     full = run.sample(model, dataset, "cpu", 60)
@@ -286,6 +311,9 @@ def test_a_shorter_sample_is_the_start_of_a_longer_one():
 @pytest.mark.slow
 @pytest.mark.parametrize("device_name", ON_CPU_AND_GPU)
 def test_fast_one_device_prints_its_ladder(device_name):
+    """`fast_one_device.py` on a small MLP with `--no-compile` prints ms/step, samples/s and TFLOP/s
+    for fp32, bf16 autocast and the doubled batch, and says the compiled rungs were skipped; on the
+    CPU, that TF32 does not apply; on CUDA, a TF32 rung and the % of bf16 peak."""
     out = run_script(LESSON_DIR / "fast_one_device.py", "--device", device_name,
                      "--width", "32", "--blocks", "1", "--batch-size", "64", "--steps", "2",
                      "--warmup", "1", "--no-compile", result=False).output
