@@ -48,6 +48,9 @@ def model_with_buffers_and_grads(training: bool) -> nn.Module:
 @pytest.mark.task1_3
 @pytest.mark.parametrize("training", [True, False], ids=["train mode", "eval mode"])
 def test_replicate_makes_independent_copies(ex, training):
+    """replicate(model, 3) gives 3 copies of a model with BatchNorm and gradients, in train and in
+    eval mode: the same type, mode, parameter and buffer values; no tensor sharing memory with the
+    model or another replica; every parameter requiring grad, with no gradient."""
     model = model_with_buffers_and_grads(training)
     replicas = ex.replicate(model, 3)
     assert len(replicas) == 3, f"replicate(model, 3) returned {len(replicas)} replicas"
@@ -90,6 +93,8 @@ def test_replicate_makes_independent_copies(ex, training):
 @pytest.mark.task1_4
 @pytest.mark.parametrize("sizes", [[4, 4, 2], [3, 3, 3], [5]], ids=str)
 def test_gather_joins_in_order_and_keeps_the_graph(ex, sizes):
+    """gather joins outputs of chunks [4, 4, 2], [3, 3, 3] and [5] along dim 0 in replica order, and
+    a backward from the result brings each output its own slice of the gradient."""
     g = torch.Generator().manual_seed(4)
     leaves = [torch.randn(size, 3, generator=g, requires_grad=True) for size in sizes]
     outputs = [leaf * 2.0 for leaf in leaves]  # like a replica's output: part of a graph

@@ -83,6 +83,9 @@ def diagnose_reduction(got, name, before, replica_grads, expected) -> None:
 @pytest.mark.parametrize("already", [False, True],
                          ids=["master without grads", "master with grads"])
 def test_reduce_gradients_sums_into_the_master(ex, already):
+    """reduce_gradients_into adds the sum of 3 replicas' gradients to the model's, with and without
+    gradients already on the model; a parameter that no replica has a gradient for is left as it was
+    (None stays None), and the replicas' gradients are unchanged."""
     g = torch.Generator().manual_seed(5)
     master = TinyNet()
     replicas = [copy.deepcopy(master) for _ in range(3)]
@@ -220,6 +223,13 @@ def assert_gradients_equal(model, reference, context: str) -> None:
 @pytest.mark.task1_6
 @pytest.mark.parametrize("batch_size, num_replicas, loss_name", STEP_CASES)
 def test_data_parallel_step_equals_one_device(ex, batch_size, num_replicas, loss_name):
+    """data_parallel_step gives the loss (a float) and gradients of one plain backward on the whole
+    batch, to fp32 tolerance on CPU, weights unchanged, each chunk run once on its own replica and
+    none on the model: MSE for 12 on 3, 10 on 3, 10 on 4, 5 on 4 and 8 on 1 replicas, cross-entropy
+    for 10 on 3.
+
+    The uneven cases catch a plain mean of the chunks' mean losses, which weighs a short chunk as
+    much as a full one."""
     model, reference, untouched, loss, reference_loss, seen = run_step_and_reference(
         ex, batch_size, num_replicas, loss_name)
     sizes = chunk_sizes(batch_size, num_replicas)
@@ -243,6 +253,8 @@ def test_data_parallel_step_equals_one_device(ex, batch_size, num_replicas, loss
 
 @pytest.mark.task1_6
 def test_data_parallel_step_accumulates_like_backward(ex):
+    """data_parallel_step adds to gradients already there, as backward does: from gradients of 0.5
+    everywhere, 10 samples on 3 replicas (MSE) leave one plain backward's loss and gradients."""
     model, reference, _, loss, reference_loss, _ = run_step_and_reference(
         ex, 10, 3, "mse", grads_before=0.5)
     assert_close(loss, reference_loss, "loss")

@@ -61,6 +61,9 @@ def test_readme_split_table_is_tensor_chunk():
            "the gpu checks cover that)",
 )
 def test_data_parallel_is_a_pass_through_without_gpus():
+    """Without a CUDA GPU, nn.DataParallel is a pass-through: it keeps device_ids [] and calls the
+    module once on the whole batch of 10, and outputs and gradients equal an unwrapped copy's bit
+    for bit."""
     model = TinyNet()
     wrapped = nn.DataParallel(model)
     inputs, targets = make_batch(10)
@@ -78,8 +81,11 @@ def test_data_parallel_is_a_pass_through_without_gpus():
 
 
 def test_batchnorm_in_training_sees_only_its_chunk():
-    """Why "equal to one device" needs a model whose samples do not interact: BatchNorm in
-    training mode normalises each replica's chunk with that chunk's own statistics."""
+    """BatchNorm in training mode normalises each chunk with that chunk's own statistics: 10
+    samples in 3 chunks, each on its own copy, give other outputs than the whole batch; in eval
+    mode, the same outputs.
+
+    So "equal to one device" needs a model whose samples do not interact."""
     bn = nn.BatchNorm1d(4)
     x = torch.randn(10, 4, generator=torch.Generator().manual_seed(6)) * 3 + 1
     whole = bn(x)
@@ -114,6 +120,12 @@ def device_ids_for(setup: str) -> list[int]:
 
 @pytest.mark.parametrize("setup", GPU_SETUPS)
 def test_real_data_parallel_splits_and_matches_one_device(setup, no_tf32):
+    """Real nn.DataParallel cuts a batch of 3n+1 (n device ids) into Tensor.chunk's sizes, one
+    replica per chunk on the listed device ids, gathers on output_device, and matches the CPU
+    model's outputs, loss and gradients (fp32, TF32 off): device_ids [0, 0] on one GPU, every GPU
+    on two or more.
+
+    output_device is the last device id; the module's parameters stay on cuda:0."""
     device_ids = device_ids_for(setup)
     batch_size = 3 * len(device_ids) + 1  # never divisible: the last chunk is short
     sizes = chunk_sizes(batch_size, len(device_ids))
@@ -154,6 +166,9 @@ def test_real_data_parallel_splits_and_matches_one_device(setup, no_tf32):
 
 @pytest.mark.parametrize("setup", GPU_SETUPS)
 def test_real_data_parallel_training_matches_one_device(setup, no_tf32):
+    """Three SGD steps with momentum 0.9 through real nn.DataParallel leave, after each step, the
+    parameters the same steps leave on one unwrapped GPU copy (TF32 off): device_ids [0, 0] on one
+    GPU, every GPU on two or more, batches of 3n+1 for n device ids."""
     device_ids = device_ids_for(setup)
     batch_size = 3 * len(device_ids) + 1
     model = TinyNet().to("cuda:0")
@@ -185,6 +200,9 @@ class CountingNet(TinyNet):
 
 @needs_gpus(1, "nn.DataParallel with device_ids=[0, 0]")
 def test_real_data_parallel_replicates_on_every_forward():
+    """Real nn.DataParallel (device_ids [0, 0]) runs 2 replicas at each of 2 forwards and the
+    wrapped module's forward counter stays 0: an attribute change made in forward happens on a
+    replica and is lost."""
     model = CountingNet().to("cuda:0")
     wrapped = nn.DataParallel(model, device_ids=[0, 0])
     x = torch.randn(6, 5, device="cuda:0")
@@ -212,6 +230,9 @@ class LossInsideNet(nn.Module):
 
 @needs_gpus(1, "nn.DataParallel with device_ids=[0, 0]")
 def test_real_data_parallel_returns_one_loss_per_replica(no_tf32):
+    """A loss computed inside forward comes back from real nn.DataParallel (device_ids [0, 0], 7
+    samples in chunks of 4 and 3) as one loss per replica: their plain mean is not the batch's loss,
+    their mean weighted by chunk size is."""
     model = LossInsideNet().to("cuda:0")
     wrapped = nn.DataParallel(model, device_ids=[0, 0])
     inputs, targets = (t.to("cuda:0") for t in make_batch(7))  # chunks [4, 3]
@@ -237,6 +258,9 @@ def script_output(name: str, *args: str) -> str:
 
 @pytest.mark.slow
 def test_where_the_batch_goes_prints_the_split():
+    """where_the_batch_goes.py --batch-size 10 prints the chunk sizes, one "in model" line per chunk
+    and the gathered output (10, 2): without a GPU the pass-through call and 3 replicas by hand,
+    with GPUs the real nn.DataParallel on 2 or 3 replicas."""
     gpus = cuda_device_count()
     # No GPU: 3 replicas by hand. One GPU: device_ids=[0, 0]. Several: up to 3 distinct GPUs.
     replicas = 3 if gpus == 0 else max(2, min(3, gpus))
@@ -273,6 +297,9 @@ def both_results(train_runs):
            "test_train_on_gpus_stays_close_to_lesson_00 covers that)",
 )
 def test_train_without_gpus_is_lesson_00_bit_for_bit(train_runs):
+    """Without a CUDA GPU, train.py says DataParallel is a pass-through, keeps device_ids [], and
+    gives exactly lesson 00's losses, accuracy, samples and weights' sha256, both scripts run with
+    seed 3, batch size 32, 1 epoch and 320 training windows."""
     run, base = both_results(train_runs)
     assert "nn.DataParallel is a pass-through" in run.output, (
         f"train.py should say that without a GPU nn.DataParallel is a pass-through:\n{run.output}"
@@ -296,6 +323,11 @@ def test_train_without_gpus_is_lesson_00_bit_for_bit(train_runs):
 @pytest.mark.slow
 @needs_gpus(1, "nn.DataParallel in train.py; on one GPU device_ids [0, 0]")
 def test_train_on_gpus_stays_close_to_lesson_00(train_runs):
+    """On GPUs, train.py runs DataParallel on cuda:0 over [0, 0] (one GPU) or every GPU (several),
+    and its train and validation losses stay within 0.1% (relative) of lesson 00's train.py on the
+    same GPU with the same arguments.
+
+    Not bit for bit: the replicas' chunks change the order of the float sums."""
     run, base = both_results(train_runs)
     gpus = cuda_device_count()
     device_ids = list(range(gpus)) if gpus > 1 else [0, 0]
@@ -316,6 +348,9 @@ def test_train_on_gpus_stays_close_to_lesson_00(train_runs):
 
 
 def test_train_refuses_device_ids_that_are_not_numbers(train, capsys):
+    """train.py parses --device-ids 0,1 as [0, 1], and refuses 0,x with exit code 2 and a usage
+    error, no traceback, whose last line names --device-ids, the bad value and the expected form
+    0,1."""
     assert train.parse_args(["--device-ids", "0,1"]).device_ids == [0, 1]
     with pytest.raises(SystemExit) as info:
         train.parse_args(["--device-ids", "0,x"])
@@ -357,6 +392,9 @@ class StopBeforeTraining(Exception):
     reason="needs a machine without a CUDA GPU (with one, DataParallel takes every GPU)",
 )
 def test_fit_on_cpu_wraps_the_model_in_a_pass_through_data_parallel(train, monkeypatch):
+    """Without a CUDA GPU, train.py's fit trains the GPT wrapped in nn.DataParallel with device_ids
+    [], logs that it is a pass-through, and the wrapper's output is the model's own on a batch of 3.
+    """
     trained = []
 
     def first_epoch(model, *args, **kwargs):  # record what fit trains, then stop
@@ -388,6 +426,8 @@ def test_fit_on_cpu_wraps_the_model_in_a_pass_through_data_parallel(train, monke
 
 @pytest.mark.slow
 def test_walkthrough_runs_as_a_script():
+    """walkthrough.py runs as a plain script and prints the split of 10 samples on 3 GPUs, [4, 4,
+    2], and that backward through hand-made replicas leaves the model's own gradients None."""
     out = script_output("walkthrough.py")
     assert "10 samples on 3 GPUs -> [4, 4, 2]" in out, out
     assert "the model's own gradients after backward: [None, None, None, None]" in out, out
