@@ -84,6 +84,9 @@ def record_input_devices(stages) -> list[list[torch.device]]:
 @pytest.mark.parametrize("devices", [("cpu", "meta"), ("meta", "cpu", "meta"),
                                      ("cpu", "cpu", "meta")])
 def test_place_stages_puts_every_parameter_and_buffer_of_stage_k_on_device_k(ex, devices):
+    """place_stages returns a StagedModel whose stage k has every parameter and buffer on
+    devices[k], given as strings: on cpu/meta, meta/cpu/meta and cpu/cpu/meta, where two stages
+    share a device."""
     stages = make_stages(len(devices))
     try:
         model = ex.place_stages(stages, list(devices))
@@ -118,6 +121,8 @@ def test_place_stages_puts_every_parameter_and_buffer_of_stage_k_on_device_k(ex,
 
 @pytest.mark.task2_1
 def test_place_stages_accepts_torch_devices_and_refuses_a_missing_device(ex):
+    """place_stages takes torch.device objects (cpu, meta) as well as strings, and refuses 3 stages
+    on 2 devices and 2 stages on 3 with a ValueError."""
     model = ex.place_stages(make_stages(2), [torch.device("cpu"), META])
     assert next(model.stages[1].parameters()).device == META
     assert_refused(lambda: ex.place_stages(make_stages(3), ["cpu", "cpu"]),
@@ -128,6 +133,8 @@ def test_place_stages_accepts_torch_devices_and_refuses_a_missing_device(ex):
 
 @pytest.mark.task2_1
 def test_place_stages_returns_a_model_whose_state_dict_holds_every_stage(ex):
+    """The model place_stages returns (on cpu/meta) holds the very stage modules it was given, and
+    its state_dict has every stage's keys, in order, as stages.k.name."""
     stages = make_stages(2)
     expected = [f"stages.{k}.{name}" for k, stage in enumerate(stages)
                 for name in stage.state_dict()]
@@ -147,6 +154,9 @@ def test_place_stages_returns_a_model_whose_state_dict_holds_every_stage(ex):
 # ("meta", "meta"): the batch itself, on the CPU, must be moved to stage 0's device.
 @pytest.mark.parametrize("devices", [("cpu", "meta"), ("cpu", "cpu", "meta"), ("meta", "meta")])
 def test_forward_moves_each_stage_input_to_that_stage_device(ex, devices):
+    """StagedModel's forward gives each stage its input once, on that stage's device (the CPU batch
+    included), and leaves the output on the last one: stages placed by the test on cpu/meta,
+    cpu/cpu/meta and meta/meta."""
     # Placed by the test, so that this checks your forward whatever place_stages does.
     stages = [stage.to(device) for stage, device in zip(make_stages(len(devices)), devices,
                                                          strict=True)]
@@ -195,6 +205,9 @@ def test_forward_moves_each_stage_input_to_that_stage_device(ex, devices):
 @pytest.mark.task2_1
 @pytest.mark.parametrize("devices", DEVICE_PAIRS)
 def test_split_model_equals_the_unsplit_model_on_one_device(ex, devices, no_tf32):
+    """A model split by place_stages into 2 stages gives the unsplit CPU model's outputs, loss and
+    gradients, and its parameters after each of 2 SGD steps (momentum 0.9), to fp32 tolerance with
+    TF32 off: on cpu/cpu, on cuda:0/cpu with a GPU, on cuda:0/cuda:1 with two."""
     stages = make_stages(2)
     reference = Unsplit(copy.deepcopy(stages))  # stays on the CPU
     model = ex.place_stages(stages, list(devices))

@@ -82,6 +82,11 @@ def matches(model, grads: dict) -> bool:
     (10, 3, "mse"), (10, 4, "mse"), (10, 4, "cross_entropy"), (9, 2, "cross_entropy"),
 ])
 def test_pipelined_step_gradients_equal_one_full_batch_step(ex, batch_size, m, loss_name):
+    """pipelined_step returns one full-batch step's loss, as a float, and leaves its gradients: MSE
+    for 8 samples in 1, 2 and 4 micro-batches, 7 in 7, 10 in 3 and in 4; cross-entropy for 10 in 4
+    and 9 in 2.
+
+    When the gradients are those of a 1/m weighting or of an unweighted sum, the failure says so."""
     loss_fn = LOSSES[loss_name]
     inputs, targets = make_batch(batch_size, classes=loss_name == "cross_entropy")
     model, reference = TwoStageNet(), TwoStageNet()
@@ -110,6 +115,9 @@ def test_pipelined_step_gradients_equal_one_full_batch_step(ex, batch_size, m, l
 @pytest.mark.task2_2
 @pytest.mark.parametrize(("batch_size", "m"), [(10, 4), (6, 4), (5, 5), (8, 1)])
 def test_pipelined_step_feeds_the_model_m_consecutive_micro_batches(ex, batch_size, m):
+    """pipelined_step runs the model on exactly m micro-batches of torch.tensor_split's sizes that,
+    joined in order, are the batch: 10 samples in 4, 6 in 4 (torch.chunk would make 3), 5 in 5 and 8
+    in 1."""
     inputs, targets = make_batch(batch_size)
     model = TwoStageNet()
     ex.pipelined_step(model, inputs, targets, F.mse_loss, m)
@@ -126,6 +134,8 @@ def test_pipelined_step_feeds_the_model_m_consecutive_micro_batches(ex, batch_si
 
 @pytest.mark.task2_2
 def test_pipelined_step_runs_every_forward_before_the_first_backward(ex):
+    """pipelined_step on 8 samples in 4 micro-batches runs all 4 forwards before the first backward,
+    and the backward goes through all 4 micro-batches."""
     inputs, targets = make_batch(8)
     model = TwoStageNet()
     ex.pipelined_step(model, inputs, targets, F.mse_loss, 4)
@@ -144,6 +154,8 @@ def test_pipelined_step_runs_every_forward_before_the_first_backward(ex):
 
 @pytest.mark.task2_2
 def test_pipelined_step_adds_to_gradients_already_there(ex):
+    """pipelined_step adds to gradients already there, as backward does: from gradients of ones, 10
+    samples in 3 micro-batches leave ones plus the full batch's gradient."""
     inputs, targets = make_batch(10)
     model, reference = TwoStageNet(), TwoStageNet()
     for p in model.parameters():
@@ -168,6 +180,9 @@ def test_pipelined_step_adds_to_gradients_already_there(ex):
 
 @pytest.mark.task2_2
 def test_pipelined_step_moves_each_target_micro_batch_to_its_output_device(ex):
+    """pipelined_step moves each target micro-batch to its output's device: with the last stage on
+    meta and the targets on the CPU, each of the 3 loss calls gets output and target on the same
+    device."""
     # The second stage on meta: the outputs land there while the targets start on the CPU, as
     # they would with the last stage on a GPU. The loss only records where its two arguments
     # are and returns a CPU number, so nothing has to be computed on meta.
@@ -198,6 +213,7 @@ def test_pipelined_step_moves_each_target_micro_batch_to_its_output_device(ex):
 @pytest.mark.task2_2
 @pytest.mark.parametrize("m", [0, -1, 11])
 def test_pipelined_step_refuses_impossible_micro_batch_counts(ex, m):
+    """pipelined_step refuses 0, -1 and 11 micro-batches for a batch of 10 with a ValueError."""
     inputs, targets = make_batch(10)
     assert_refused(lambda: ex.pipelined_step(TwoStageNet(), inputs, targets, F.mse_loss, m),
                    f"pipelined_step(num_micro_batches={m}) for a batch of 10",
@@ -210,10 +226,19 @@ def test_pipelined_step_refuses_impossible_micro_batch_counts(ex, m):
 @pytest.mark.parametrize(("batch_size", "m"), [(8, 4), (10, 4), (10, 3)],
                          ids=["even", "uneven-4", "uneven-3"])
 def test_pipelined_training_equals_full_batch_training(ex, batch_size, m):
+    """Three SGD steps (momentum 0.5) with pipelined_step leave full-batch training's loss and
+    parameters after each step, on cpu/cpu: 8 samples in 4 micro-batches, 10 in 4 (3, 3, 2, 2) and
+    10 in 3 (4, 3, 3)."""
     assert_pipelined_training_matches(ex.pipelined_step, batch_size, m)
 
 
 @pytest.mark.task2_2
 @pytest.mark.parametrize("devices", PIPELINE_PAIRS)
 def test_pipelined_training_equals_full_batch_training_on_device_pairs(ex, devices, no_tf32):
+    """Three SGD steps with pipelined_step, 10 samples in 3 micro-batches, leave full-batch
+    training's loss and parameters on the CPU, with TF32 off: on cpu/cpu, on cpu/cuda:0 with a GPU,
+    on cuda:0/cuda:1 with two.
+
+    cpu/cuda:0 puts the output on a GPU while the targets start on the CPU, so a target left behind
+    shows."""
     assert_pipelined_training_matches(ex.pipelined_step, 10, 3, devices=devices)

@@ -29,6 +29,9 @@ CLAUSES = {
 @pytest.mark.task2_3
 @pytest.mark.parametrize("num_stages", range(1, 9))
 def test_bubble_fraction_matches_a_simulated_gpipe_schedule(ex, num_stages):
+    """bubble_fraction returns a float equal (to 1e-9, relative) to the idle share of GPipe's
+    schedule simulated slot by slot (simulate_gpipe in common.py), for 1 to 8 stages and 1 to 16
+    micro-batches."""
     for m in range(1, 17):
         got = ex.bubble_fraction(num_stages, m)
         expected, _ = simulate_gpipe(num_stages, m)
@@ -48,5 +51,7 @@ def test_bubble_fraction_matches_a_simulated_gpipe_schedule(ex, num_stages):
 @pytest.mark.task2_3
 @pytest.mark.parametrize(("num_stages", "m"), [(0, 4), (4, 0), (-1, 2), (2, -3)])
 def test_bubble_fraction_refuses_empty_schedules(ex, num_stages, m):
+    """bubble_fraction refuses stage or micro-batch counts below 1 with a ValueError: (0, 4), (4,
+    0), (-1, 2) and (2, -3)."""
     assert_refused(lambda: ex.bubble_fraction(num_stages, m),
                    f"bubble_fraction({num_stages}, {m})", "a schedule needs p >= 1 and m >= 1")

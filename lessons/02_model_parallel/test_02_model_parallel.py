@@ -63,6 +63,9 @@ def naive_pipelined_step(model, inputs, targets, loss_fn, m):
 
 
 def test_the_training_check_catches_a_naive_one_over_m_scaling():
+    """task2_2's training check passes a step that weights each micro-batch's mean loss by 1/m on 8
+    samples in 4 equal micro-batches, and fails it after the first SGD step on 10 samples in 4 (3,
+    3, 2, 2)."""
     # With equal micro-batches, 1/m *is* size/B: the naive scaling passes...
     assert_pipelined_training_matches(naive_pipelined_step, 8, 4)
     # ...and with unequal ones it must be caught, or the check above proves nothing.
@@ -75,6 +78,8 @@ def test_the_training_check_catches_a_naive_one_over_m_scaling():
 
 
 def test_the_naive_split_keeps_one_device_busy_at_a_time():
+    """With one micro-batch, the simulated GPipe schedule keeps exactly one of p stages busy at
+    every time step, a utilisation of 1/p, for p from 1 to 8."""
     for p in range(1, 9):
         idle, grid = simulate_gpipe(p, 1)
         assert math.isclose(1 - idle, 1 / p), f"{p} stages, 1 micro-batch: utilisation {1 - idle}"
@@ -83,6 +88,9 @@ def test_the_naive_split_keeps_one_device_busy_at_a_time():
 
 
 def test_the_scripts_bubble_fraction_is_the_simulated_one(sweep):
+    """pipeline_sweep.py's bubble_fraction is the simulated schedule's idle share, and its
+    ideal_speedup the simulated utilisation over that of one micro-batch, for 1 to 6 stages and 1 to
+    12 micro-batches."""
     for p in range(1, 7):
         for m in range(1, 13):
             assert math.isclose(sweep.bubble_fraction(p, m), simulate_gpipe(p, m)[0])
@@ -91,6 +99,8 @@ def test_the_scripts_bubble_fraction_is_the_simulated_one(sweep):
 
 
 def test_readme_bubble_table_matches_the_formula():
+    """Every cell of the README's bubble table is (p - 1) / (m + p - 1) for its row's p and column's
+    m, rounded to a whole percent."""
     readme = (LESSONS_DIR / LESSON / "README.md").read_text()
     rows = re.findall(r"^\| p = (\d+) \|(.+)\|$", readme, flags=re.MULTILINE)
     header = re.search(r"^\| stages \\ micro-batches \|(.+)\|$", readme, flags=re.MULTILINE)
@@ -137,6 +147,10 @@ def stop():
 
 @pytest.mark.parametrize("n_layer", [2, 4, 6])
 def test_train_py_split_across_puts_each_half_on_its_device(train, gpt_data, n_layer):
+    """train.py's split_across, on cpu/meta for GPTs of 2, 4 and 6 blocks, puts the embeddings and
+    the first half of the blocks on the first device and every other parameter on the second; each
+    block up to the first of the second half gets its input on its own device, still requiring grad.
+    """
     dataset = gpt_data[0]
     model = make_gpt(dataset.vocab_size, n_layer=n_layer)
     assert train.split_across(model, (torch.device("cpu"), META)) is model, (
@@ -192,6 +206,9 @@ MICRO_BATCH_CASES = [pytest.param(1, 16, id="m1-batch16"), pytest.param(2, 16, i
 @pytest.mark.parametrize(("micro_batches", "batch_size"), MICRO_BATCH_CASES)
 def test_train_py_split_training_equals_one_device(train, gpt_data, devices, micro_batches,
                                                    batch_size, no_tf32, one_thread):
+    """Two epochs of train.py's train_one_epoch on the split GPT give one CPU's parameters and mean
+    losses (SGD, momentum 0.9) with 1, 2, 3 and 4 micro-batches, 3 and 4 of unequal size: bit for
+    bit on cpu/cpu with 1, to fp32 tolerance otherwise; also on cuda:0/cpu and cuda:0/cuda:1."""
     dataset, train_set, val_set = gpt_data
     devices = tuple(map(torch.device, devices))
     model = train.split_across(make_gpt(dataset.vocab_size), devices)
@@ -225,6 +242,9 @@ def test_train_py_split_training_equals_one_device(train, gpt_data, devices, mic
 @pytest.mark.parametrize("devices", DEVICE_PAIRS)
 def test_train_py_evaluates_a_split_model_like_one_device(train, gpt_data, devices, no_tf32,
                                                           one_thread):
+    """The course's evaluate, on train.py's split GPT in batches of 10, 10 and 4, gives one device's
+    validation loss and accuracy (to 1e-5, relative): on cpu/cpu, on cuda:0/cpu with a GPU, on
+    cuda:0/cuda:1 with two."""
     dataset, train_set, val_set = gpt_data
     devices = tuple(map(torch.device, devices))
     model = train.split_across(make_gpt(dataset.vocab_size), devices)
@@ -246,6 +266,8 @@ def test_train_py_evaluates_a_split_model_like_one_device(train, gpt_data, devic
                                                 (2, ["cuda:0", "cuda:1"]),
                                                 (4, ["cuda:0", "cuda:1"])])
 def test_the_scripts_pick_the_best_device_pair(train, sweep, monkeypatch, gpus, expected):
+    """train.py and pipeline_sweep.py pick, as a tuple of torch.device, cpu/cpu without a GPU,
+    cuda:0/cpu with one, cuda:0/cuda:1 with two or four (GPU counts imitated)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     for script in (train, sweep):
@@ -258,6 +280,8 @@ def test_the_scripts_pick_the_best_device_pair(train, sweep, monkeypatch, gpus, 
 
 @pytest.mark.parametrize("devices", ["cpu", "cpu,cpu,cpu"])
 def test_train_py_refuses_anything_but_two_devices_in_one_line(train, capsys, devices):
+    """train.py refuses --devices cpu and --devices cpu,cpu,cpu with exit code 2 and one line, no
+    traceback, that says it expected two, like cuda:0,cuda:1."""
     code = train.main(["--devices", devices])
     err = capsys.readouterr().err.strip()
     assert code == 2, f"--devices {devices}: exit code {code}, expected 2 (bad usage)"
@@ -266,6 +290,8 @@ def test_train_py_refuses_anything_but_two_devices_in_one_line(train, capsys, de
 
 
 def test_the_sweeps_gpipe_step_trains_like_the_full_batch(sweep):
+    """pipeline_sweep.py's gpipe_step on 10 samples in 4 micro-batches (3, 3, 2, 2) gives the full
+    batch's loss and, after each of 3 SGD steps (momentum 0.9), its parameters, on cpu/cpu."""
     devices = [torch.device("cpu")] * 2
     stages = sweep.build_stages(8, 4, devices)
     reference = nn.Sequential(*copy.deepcopy(stages))
@@ -289,6 +315,8 @@ def test_the_sweeps_gpipe_step_trains_like_the_full_batch(sweep):
 
 
 def test_the_sweeps_gpipe_step_follows_the_clock_schedule(sweep):
+    """pipeline_sweep.py's gpipe_step runs 3 stages on 3 micro-batches in GPipe's clock order: at
+    clock t, stage s runs micro-batch t - s."""
     devices = [torch.device("cpu")] * 3
     stages = sweep.build_stages(8, 3, devices)
     order = []
@@ -302,8 +330,11 @@ def test_the_sweeps_gpipe_step_follows_the_clock_schedule(sweep):
 
 
 def test_batchnorm_breaks_the_micro_batch_equivalence(sweep):
-    """The README's caveat: in training mode BatchNorm normalises each micro-batch by its own
-    statistics, so micro-batching changes the result (LayerNorm does not)."""
+    """Micro-batches change what BatchNorm computes in training mode, not what LayerNorm does:
+    pipeline_sweep.py's gpipe_step on 8 samples gives another loss in 4 micro-batches than in 1
+    with BatchNorm, the same loss with LayerNorm.
+
+    The README's caveat: BatchNorm normalises each micro-batch by its own statistics."""
     devices = [torch.device("cpu")] * 2
     g = torch.Generator().manual_seed(4)
     inputs, targets = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
@@ -336,6 +367,9 @@ def expected_pair() -> list[str]:
 
 @pytest.mark.slow
 def test_train_py_trains_the_split_gpt_and_prints_where_it_is(script_runs):
+    """train.py --micro-batches 2 (1 epoch, 480 windows) prints and records where the model is on
+    this machine's best pair, "(blocks 0-1; the rest on ...)", and its losses fall: validation below
+    training below ln(vocabulary size) - 0.5."""
     out, data = script_output(script_runs, "train.py")
     first, second = expected_pair()
     assert re.search(rf"^device {first} \(blocks 0-1; the rest on {second}, 2 micro-batch\(es\)\)",
@@ -355,6 +389,9 @@ def test_train_py_trains_the_split_gpt_and_prints_where_it_is(script_runs):
 
 @pytest.mark.slow
 def test_pipeline_sweep_prints_a_row_per_micro_batch_count(script_runs):
+    """pipeline_sweep.py --micro-batches 1,2,4,64 on a batch of 30 prints rows for m = 1, 2 and 4
+    only, bubbles 50.0%, 33.3% and 20.0%, gradients within 1e-5 of m = 1's; on cpu/cpu it says that
+    one device runs the stages one after another."""
     out, data = script_output(script_runs, "pipeline_sweep.py")
     first, second = expected_pair()
     assert f"2 stages on {first} -> {second}" in out, out
@@ -373,6 +410,9 @@ def test_pipeline_sweep_prints_a_row_per_micro_batch_count(script_runs):
 
 def test_pipeline_sweep_plot_needs_matplotlib_only_when_asked(sweep, tmp_path, monkeypatch,
                                                               capsys):
+    """pipeline_sweep.py --plot writes a plot when matplotlib is installed; without it (imitated),
+    it exits with code 2, saying "--plot needs matplotlib" and "pip install matplotlib", and prints
+    nothing else."""
     path = tmp_path / "sweep.png"
     args = ["--devices", "cpu,cpu", "--width", "8", "--blocks", "2", "--batch-size", "4",
             "--micro-batches", "1,2", "--steps", "1", "--plot", str(path)]
