@@ -69,8 +69,9 @@ def skip_if_the_grid_fails(ex) -> None:
 
 @pytest.mark.task3_1
 def test_shard_indices_equal_distributed_sampler(ex):
-    """Every rank of every length, world size, seed and epoch on a grid, with shuffle and
-    drop_last on and off."""
+    """shard_indices returns DistributedSampler's indices on every rank of a grid: lengths 1, 2, 3,
+    5, 7, 10, 16 and 33 on 1 to 4 replicas, (seed, epoch) (0, 0), (0, 1) and (7, 3), shuffle and
+    drop_last on and off, as a list."""
     mismatch = grid_mismatch(ex)
     if mismatch is not None:
         raise AssertionError(mismatch)
@@ -82,7 +83,11 @@ def test_shard_indices_equal_distributed_sampler(ex):
        data=st.data(), max_examples=60)
 def test_shard_indices_equal_distributed_sampler_for_any_split(ex, length, world, shuffle,
                                                              drop_last, seed, epoch, data):
-    """Beyond the grid: longer datasets, more replicas, any seed and epoch."""
+    """Beyond the grid, shard_indices returns DistributedSampler's indices in 60 drawn cases:
+    lengths 0 to 500, 1 to 64 replicas, any rank, any seed, epochs 0 to 1000, shuffle and drop_last
+    on or off.
+
+    It skips while the grid fails, so that one mistake is one failure."""
     skip_if_the_grid_fails(ex)
     rank = data.draw(st.integers(0, world - 1), label="rank")
     got = ex.shard_indices(length, world, rank, shuffle=shuffle, seed=seed, epoch=epoch,
@@ -99,7 +104,8 @@ def test_shard_indices_equal_distributed_sampler_for_any_split(ex, length, world
 
 @pytest.mark.task3_1
 def test_shard_indices_defaults_are_distributed_samplers(ex):
-    """Called without the keywords, shard_indices is DistributedSampler(dataset, world, rank)."""
+    """Called without the keywords, shard_indices is DistributedSampler(dataset, world, rank) with
+    its defaults, on every rank of 10 samples on 3 replicas and 5 on 4."""
     skip_if_the_grid_fails(ex)
     for length, world in ((10, 3), (5, 4)):
         for rank in range(world):

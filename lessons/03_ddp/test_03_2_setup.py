@@ -119,6 +119,10 @@ def init_with_fakes(ex, monkeypatch, env: dict, gpus: int, backend: str,
 @pytest.mark.task3_2
 @pytest.mark.parametrize("backend", ["nccl", "auto"])
 def test_setup_sets_the_device_before_joining_with_a_timeout(ex, monkeypatch, backend):
+    """setup('nccl') and setup('auto') as RANK 3, LOCAL_RANK 1 of 2 machines x 2 GPUs (CUDA and the
+    group faked) return ranks, world sizes, nccl and cuda:1, and call set_device(1) once, before
+    one init_process_group: nccl, env:// (or no init_method), a timedelta timeout of at most 60 s.
+    """
     where = (f"setup({backend!r}) as process RANK=3, LOCAL_RANK=1 of 2 machines x 2 GPUs "
              f"(CUDA faked)")
     try:
@@ -169,6 +173,8 @@ def test_setup_sets_the_device_before_joining_with_a_timeout(ex, monkeypatch, ba
 
 @pytest.mark.task3_2
 def test_setup_auto_uses_gloo_with_fewer_gpus_than_local_ranks(ex, monkeypatch):
+    """setup('auto') with 2 local ranks and 1 GPU (faked) returns gloo on the CPU, joins the group
+    with gloo and never calls set_device."""
     where = "setup('auto') with 2 processes on this machine and 1 GPU (CUDA faked)"
     try:
         info, calls = init_with_fakes(ex, monkeypatch, SECOND_MACHINE, 1, "auto")
@@ -199,6 +205,8 @@ def init_failure(ex, monkeypatch, env, gpus, backend, where):
 
 @pytest.mark.task3_2
 def test_setup_auto_uses_gloo_without_a_gpu(ex, monkeypatch):
+    """setup('auto') as the only process on a machine without a GPU (faked) returns gloo on the CPU
+    and never calls set_device."""
     env = {**SECOND_MACHINE, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1"}
     where = "setup('auto') as the only process on a machine without a GPU (CUDA faked)"
@@ -213,6 +221,8 @@ def test_setup_auto_uses_gloo_without_a_gpu(ex, monkeypatch):
 @pytest.mark.task3_2
 @pytest.mark.parametrize("backend", ["nccl", "auto"])
 def test_setup_uses_nccl_on_a_one_gpu_machine(ex, monkeypatch, backend):
+    """setup('nccl') and setup('auto') as the only process on a machine with 1 GPU (faked) return
+    nccl on cuda:0 and call set_device(0), once."""
     env = {**SECOND_MACHINE, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1"}
     where = f"setup({backend!r}) as the only process on a machine with 1 GPU (CUDA faked)"
@@ -226,6 +236,8 @@ def test_setup_uses_nccl_on_a_one_gpu_machine(ex, monkeypatch, backend):
 
 @pytest.mark.task3_2
 def test_setup_local_world_size_defaults_to_world_size(ex, monkeypatch):
+    """Without LOCAL_WORLD_SIZE, setup('auto') as RANK 3 of WORLD_SIZE 4 with 2 GPUs (faked) takes a
+    local world size of 4, and so returns gloo on the CPU."""
     env = {name: value for name, value in SECOND_MACHINE.items() if name != "LOCAL_WORLD_SIZE"}
     where = ("setup('auto') as RANK=3 of WORLD_SIZE=4 with LOCAL_WORLD_SIZE unset and 2 "
              "GPUs (CUDA faked)")
@@ -241,6 +253,8 @@ def test_setup_local_world_size_defaults_to_world_size(ex, monkeypatch):
 @pytest.mark.task3_2
 @pytest.mark.parametrize("gpus", [0, 1], ids=["no GPU", "1 GPU for 2 local ranks"])
 def test_setup_refuses_nccl_without_enough_gpus(ex, monkeypatch, gpus):
+    """setup('nccl') for 2 local ranks with 0 GPUs, and with 1 GPU (faked), raises a RuntimeError
+    that mentions GPUs, before calling set_device or init_process_group."""
     where = (f"setup('nccl') with 2 processes on this machine and {gpus} GPU(s) "
              f"(CUDA faked)")
     calls = []
@@ -279,6 +293,9 @@ def init_checks():
 @pytest.mark.slow
 @pytest.mark.task3_2
 def test_setup_under_torchrun(init_checks):
+    """Under real torchrun with 2 processes (check_setup.py), setup returns each rank's rank, local
+    rank, world sizes of 2, backend and device (nccl on cuda:rank with 2 GPUs, else gloo on the
+    CPU), and the group it joined all-reduces 1 + 2 = 3."""
     run = init_checks["torchrun"].result()
     gpus = torch.cuda.device_count()
     backend = "nccl" if gpus >= 2 else "gloo"
@@ -297,6 +314,12 @@ def test_setup_under_torchrun(init_checks):
 @pytest.mark.slow
 @pytest.mark.task3_2
 def test_setup_rejects_bad_environments(init_checks):
+    """setup raises a RuntimeError naming torchrun without a launcher; LOCAL_RANK, MASTER_ADDR and
+    MASTER_PORT when only RANK and WORLD_SIZE are set; GPU for nccl with no GPU or with 2 local
+    ranks and 1 GPU (faked); and joins a group for a complete world of one.
+
+    check_setup.py --bad-environments runs the cases one after another, in a process of its own,
+    outside any launcher; without CUDA, the world of one must be gloo on the CPU."""
     run = init_checks["bad environments"].result()
     expectations = {
         "no launcher": ["torchrun"],

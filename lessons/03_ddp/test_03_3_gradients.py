@@ -59,6 +59,11 @@ def averaging_diagnosis(got: dict, local: dict) -> str:
 @pytest.mark.task3_3
 @pytest.mark.parametrize("group", GROUPS)
 def test_average_gradients_equal_one_process_on_the_whole_batch(group):
+    """After backward on each rank's 4 samples, average_gradients leaves every rank one process's
+    gradients on the whole batch (MSE, fp32 tolerance): on 2 and 3 gloo ranks on the CPU, and on
+    GPUs.
+
+    The GPU cases: 2 gloo ranks sharing cuda:0, and nccl with one rank per GPU."""
     world, backend, device = group
     inputs, targets = make_data(4 * world)
     expected = single_process_gradients(inputs, targets)
@@ -93,6 +98,8 @@ def averaged_with_an_unused_parameter(ctx):
 
 @pytest.mark.task3_3
 def test_average_gradients_skips_parameters_without_a_gradient():
+    """average_gradients on 2 gloo ranks skips a parameter that backward never reached: no error,
+    and its .grad stays None."""
     results = run_on_ranks(averaged_with_an_unused_parameter, world_size=2)
     for rank, result in enumerate(results):
         assert result["error"] is None, (

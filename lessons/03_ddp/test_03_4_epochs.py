@@ -52,6 +52,12 @@ CLAUSES = {
 @pytest.mark.task3_4
 @pytest.mark.parametrize("group", GROUPS)
 def test_train_one_epoch_equals_one_process_on_global_batches(group):
+    """Two epochs of train_one_epoch under DDP (36 samples, batches of 3 per rank, SGD) set the
+    sampler's epoch, leave one process's parameters after the same global batches, and return one
+    process's mean loss per epoch, as the same float on every rank: 2 and 3 gloo ranks on the CPU,
+    and on GPUs.
+
+    The GPU cases: 2 gloo ranks sharing cuda:0, and nccl with one rank per GPU."""
     world, backend, device = group
     expected_params, expected_losses = one_process_on_global_batches(world)
     results = run_on_ranks(train_epochs, use_exercise=True, world_size=world, backend=backend,
@@ -138,6 +144,9 @@ def frozen_epoch(ctx, samples: int, batch_size: int):
 
 @pytest.mark.task3_4
 def test_train_one_epoch_weighs_each_batch_by_its_size():
+    """With lr 0, train_one_epoch on 2 gloo ranks, 10 samples in batches of 3 and 2 per rank,
+    returns the mean loss per sample over all 10, moves every batch with .to(device), and calls
+    loss_fn(outputs, targets) in that order."""
     samples, batch_size = 10, 3  # 5 samples per rank: batches of 3 and 2
     results = run_on_ranks(frozen_epoch, samples, batch_size, world_size=2)
     inputs, targets = make_data(samples)

@@ -141,6 +141,11 @@ def overlap_problem(result: dict) -> str:
 @pytest.mark.task3_5
 @pytest.mark.parametrize("group", GROUPS)
 def test_gradient_buckets_equal_ddp_and_overlap_backward(group):
+    """GradientBuckets gives DDP's gradients for 3 steps, one bucket per hidden layer, its
+    all-reduces all asynchronous, the first started before backward reaches the first layer, none
+    waited on during backward: on 2 and 3 gloo ranks on the CPU, and on GPUs.
+
+    The GPU cases: 2 gloo ranks sharing cuda:0, and nccl with one rank per GPU."""
     world, backend, device = group
     results = run_on_ranks(bucketed_vs_ddp, 3, world_size=world, backend=backend, device=device)
     for rank, steps in enumerate(results):
@@ -223,6 +228,9 @@ BUCKET_CASES = [  # sizes, frozen, bucket_size, the buckets (parameter indices) 
 @pytest.mark.parametrize(("sizes", "frozen", "bucket_size", "expected"), BUCKET_CASES)
 def test_gradient_buckets_one_all_reduce_per_bucket_in_reverse_order(sizes, frozen,
                                                                      bucket_size, expected):
+    """GradientBuckets on 2 gloo ranks starts one all-reduce per bucket, filled from the last
+    parameter up to bucket_size elements (2**20 by default; a larger parameter alone; frozen ones
+    left out), waits on each once per step in wait(), and starts none after remove()."""
     results = run_on_ranks(bucket_calls, sizes, frozen, bucket_size, world_size=2)
     made = f"GradientBuckets(parameters of sizes {sizes}" + (
         f", bucket_size={bucket_size})" if bucket_size is not None else ")") + (

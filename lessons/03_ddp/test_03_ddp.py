@@ -47,6 +47,8 @@ SCRIPT = f"lessons/{LESSON}/train_ddp.py"
 
 @pytest.mark.parametrize("length,world", [(10, 3), (2, 4), (7, 2), (12, 4)])
 def test_distributed_sampler_shards_have_equal_length_and_cover_the_data(length, world):
+    """DistributedSampler gives every rank ceil(N / W) indices, covering every sample, with exactly
+    ceil(N / W) * W - N repeats as padding: 10 samples on 3 ranks, 2 on 4, 7 on 2 and 12 on 4."""
     shards = [sampler_indices(length, world, r) for r in range(world)]
     per_rank = -(-length // world)  # ceil
     assert all(len(s) == per_rank for s in shards), "every rank gets the same number"
@@ -58,6 +60,8 @@ def test_distributed_sampler_shards_have_equal_length_and_cover_the_data(length,
 
 @pytest.mark.parametrize("length,world", [(10, 3), (7, 2), (12, 4)])
 def test_distributed_sampler_with_drop_last_is_disjoint(length, world):
+    """With drop_last=True, DistributedSampler's shards share no sample and hold (N // W) * W
+    samples in all, the tail dropped: 10 samples on 3 ranks, 7 on 2 and 12 on 4."""
     shards = [sampler_indices(length, world, r, drop_last=True) for r in range(world)]
     flat = [i for s in shards for i in s]
     assert len(flat) == len(set(flat)), "no sample twice"
@@ -65,6 +69,9 @@ def test_distributed_sampler_with_drop_last_is_disjoint(length, world):
 
 
 def test_distributed_sampler_order_changes_with_epoch_and_agrees_across_ranks():
+    """DistributedSampler's order for 20 samples on 2 ranks differs between epochs 0 and 1, and in
+    each epoch the 2 shards interleave back into one permutation of all 20: the ranks share one
+    order."""
     epoch0 = [sampler_indices(20, 2, r, epoch=0) for r in range(2)]
     epoch1 = [sampler_indices(20, 2, r, epoch=1) for r in range(2)]
     assert epoch0 != epoch1, "set_epoch must reshuffle"
@@ -90,6 +97,11 @@ def ddp_gradients(ctx, inputs, targets):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_ddp_gradients_equal_one_process_on_the_whole_batch(group):
+    """DDP's gradients, on ranks whose models start from different seeds, equal one process's on the
+    whole batch (4 samples per rank, fp32 tolerance): on 2 and 3 gloo ranks on the CPU, and on GPUs.
+
+    The different seeds show that DDP broadcasts rank 0's parameters. The GPU cases: 2 gloo ranks
+    sharing cuda:0, and nccl with one rank per GPU."""
     world, backend, device = group
     inputs, targets = make_data(4 * world)
     expected = single_process_gradients(inputs, targets)
@@ -101,6 +113,12 @@ def test_ddp_gradients_equal_one_process_on_the_whole_batch(group):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_ddp_trajectory_equals_one_process_on_global_batches(group):
+    """Two epochs of DDP with a DistributedSampler (36 samples, batches of 3 per rank, SGD) leave
+    the parameters of one process reading the same global batches, to fp32 tolerance: on 2 and 3
+    gloo ranks on the CPU, and on GPUs.
+
+    36 divides by 2 and 3, so no sample is padded in. The GPU cases: 2 gloo ranks sharing cuda:0,
+    and nccl with one rank per GPU."""
     world, backend, device = group
     expected_params, _ = one_process_on_global_batches(world)
     results = run_on_ranks(train_epochs, use_exercise=False, world_size=world, backend=backend,
@@ -193,6 +211,12 @@ def assert_same_training(run, single, what: str) -> None:
 
 @pytest.mark.slow
 def test_script_under_torchrun_equals_single_process(script_runs):
+    """train_ddp.py under torchrun, 2 ranks x 8 for one epoch of 320 windows, gives the training and
+    validation losses of one python process x 16 on the CPU (gloo) to fp32 tolerance, 1e-4 when its
+    ranks use 2 GPUs, and its checkpoint the same weights to 1e-3 (relative), 2e-4 (absolute).
+
+    The weights' tolerance: AdamW steps on rounding noise in the attention's key biases, whose true
+    gradient is zero (measured: up to 9e-5 apart)."""
     runs, checkpoints = script_runs
     run, single = runs["torchrun"].result(), runs["python"].result()
     assert (single.data["world_size"], single.data["batch_size"], single.data["device"]) == (
@@ -211,6 +235,9 @@ def test_script_under_torchrun_equals_single_process(script_runs):
 
 @pytest.mark.slow
 def test_script_under_torchrun_prints_and_saves_on_rank_0_only(script_runs):
+    """Under torchrun with 2 ranks, only rank 0 prints progress and saves the checkpoint, once: its
+    folder holds model.pt alone, the file loads strictly into a plain GPT (no module. prefix), and
+    its sha256 is the one rank 0 reported."""
     runs, checkpoints = script_runs
     run = runs["torchrun"].result()
     assert any("epoch 1/1" in line for line in run.rank_lines(0)), run.output
@@ -233,6 +260,8 @@ def test_script_under_torchrun_prints_and_saves_on_rank_0_only(script_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["launch", "spawn"])
 def test_older_launchers_train_the_same_model(script_runs, launcher):
+    """train_ddp.py under python -m torch.distributed.launch, and train_spawn.py under mp.spawn, 2
+    ranks x 8, give the losses and the weights of one python process x 16, as under torchrun."""
     runs, checkpoints = script_runs
     run, single = runs[launcher].result(), runs["python"].result()
     assert (run.data["world_size"], run.data["batch_size"]) == (2, 8), run.data
@@ -244,6 +273,8 @@ def test_older_launchers_train_the_same_model(script_runs, launcher):
 @pytest.mark.slow
 @needs_gpus(1, "nccl world 1 under torchrun")
 def test_script_on_a_gpu_equals_the_cpu_run(script_runs, tmp_path):
+    """train_ddp.py under torchrun on 1 GPU (nccl, cuda:0, batch 16) gives the CPU run's training
+    and validation losses (to 1e-4, relative) and weights (to 1e-3 relative, 2e-4 absolute)."""
     runs, checkpoints = script_runs
     single = runs["python"].result()
     checkpoint = tmp_path / "gpu.pt"
@@ -297,7 +328,11 @@ def per_epoch(read: list[int], n_train: int) -> list[list[int]]:
 
 
 def test_script_reads_its_own_shard_in_a_new_order_every_epoch():
-    """What the equality with one process cannot show: both runs share the script, so a script
+    """In each of 2 epochs of train_ddp.py's fit() on 2 gloo ranks, on a short text, the ranks read
+    the training windows in two disjoint halves, and each rank reads another order in epoch 2 than
+    in epoch 1.
+
+    What the equality with one process cannot show: both runs share the script, so a script
     that forgets set_epoch repeats epoch 1's order in both. Read the order itself."""
     n_train = len(train_val_split(CharDataset(SIZES["tiny"]["block_size"],
                                               text=load_text()[:SHORT_TEXT]))[0])
@@ -338,6 +373,9 @@ def usage_error(train, argv: list[str], capsys) -> str:
 
 
 def test_script_explains_a_partial_launcher_environment(train_script, monkeypatch, capsys):
+    """train_ddp.py with only RANK and WORLD_SIZE set exits with code 2 and one line, "train_ddp.py:
+    error: ...", naming LOCAL_RANK, MASTER_ADDR, MASTER_PORT and torchrun, with no process group
+    left."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     message = usage_error(train_script, [], capsys)
@@ -346,12 +384,16 @@ def test_script_explains_a_partial_launcher_environment(train_script, monkeypatc
 
 
 def test_script_explains_nccl_without_gpus(train_script, monkeypatch, capsys):
+    """train_ddp.py --backend nccl without CUDA (faked) exits with code 2 and one error line that
+    says "needs CUDA GPUs" and "0 GPU(s)", with no process group left."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     message = usage_error(train_script, ["--backend", "nccl"], capsys)
     assert "needs CUDA GPUs" in message and "0 GPU(s)" in message, message
 
 
 def test_script_explains_more_ranks_than_gpus(train_script, monkeypatch, capsys):
+    """train_ddp.py --backend nccl with 4 local processes and 2 GPUs (faked) exits with code 2 and
+    one error line, "4 processes on this machine, 2 GPU(s) visible", with no process group left."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # never reached: fails before
     for name, value in env.items():
@@ -363,6 +405,6 @@ def test_script_explains_more_ranks_than_gpus(train_script, monkeypatch, capsys)
 
 
 def test_the_script_and_the_exercise_name_the_same_launcher_variables(ex):
-    """One meaning of LAUNCHER_VARIABLES: what train_ddp.py checks (with gpt.run's setup) is what
-    task3_2 checks."""
+    """train_ddp.py (through gpt.run's setup) and the exercises name the same LAUNCHER_VARIABLES,
+    so the script checks the environment task3_2 checks."""
     assert load_lesson_module(LESSON, "train_ddp").run.LAUNCHER_VARIABLES == ex.LAUNCHER_VARIABLES
