@@ -60,6 +60,9 @@ def exact_accuracy_on_rank(ctx):
 
 @pytest.mark.task4_1
 def test_exact_accuracy_counts_every_sample_once(ex):
+    """On 2 gloo ranks, every rank returns the float 8/11 for lab 03's 11 samples (not 8/12 from
+    padding, the mean of the ranks' accuracies, or one shard's), and each rank's model evaluates as
+    many samples as its own shard holds."""
     raise_if_untouched(ex.exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_on_rank)
     world = len(results)
@@ -111,6 +114,8 @@ def exact_accuracy_seen_on_rank(ctx):
 
 @pytest.mark.task4_1
 def test_exact_accuracy_evaluates_the_strided_shard(ex):
+    """On 2 gloo ranks, rank r's model sees exactly the samples `range(r, 11, 2)` of lab 03's 11
+    (each input scaled by its index plus one, which leaves the predictions alone, tells which)."""
     raise_if_untouched(ex.exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     world = len(results)
@@ -124,6 +129,8 @@ def test_exact_accuracy_evaluates_the_strided_shard(ex):
 
 @pytest.mark.task4_1
 def test_exact_accuracy_adds_the_counts_with_one_all_reduce(ex):
+    """On 2 gloo ranks, `exact_accuracy` calls exactly one collective, a single `all_reduce` for
+    both sums, as a log of its calls to torch.distributed records."""
     raise_if_untouched(ex.exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     for rank, result in enumerate(results):
@@ -135,6 +142,8 @@ def test_exact_accuracy_adds_the_counts_with_one_all_reduce(ex):
 
 @pytest.mark.task4_1
 def test_exact_accuracy_evaluates_under_no_grad(ex):
+    """On 2 gloo ranks, every forward of the model inside `exact_accuracy` runs with gradients
+    disabled."""
     raise_if_untouched(ex.exact_accuracy)  # not attempted: no ranks
     results = run_on_ranks(exact_accuracy_seen_on_rank)
     for rank, result in enumerate(results):

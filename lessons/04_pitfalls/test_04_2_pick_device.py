@@ -33,6 +33,9 @@ CLAUSES = {
 
 @pytest.mark.task4_2
 def test_pick_device_uses_the_local_rank(ex):
+    """Every process of an emulated job of 2 machines with 2 processes each gets `cuda:LOCAL_RANK`,
+    never `cuda:RANK`, on machines with 2 and with 4 GPUs; without GPUs the device is the CPU, even
+    with an empty environment. Plain calls, no ranks."""
     two_machines = lab("04_device_from_rank").TWO_MACHINES
     # Two GPUs per machine, as many as processes; then four, with two processes on each.
     for gpus, env in [(2, env) for env in two_machines] + [(4, env) for env in two_machines]:
@@ -67,6 +70,8 @@ def test_pick_device_uses_the_local_rank(ex):
 
 @pytest.mark.task4_2
 def test_pick_device_explains_bad_environments(ex):
+    """A missing LOCAL_RANK raises a RuntimeError that names `LOCAL_RANK` and `torchrun`;
+    LOCAL_RANK=2 on a machine with 2 GPUs raises one that says `GPU` and `2`."""
     missing = runtime_error_from(
         lambda: ex.pick_device({"RANK": "0", "WORLD_SIZE": "1"}, gpu_count=1),
         "LOCAL_RANK is missing from the environment")
@@ -81,6 +86,8 @@ def test_pick_device_explains_bad_environments(ex):
 
 @pytest.mark.task4_2
 def test_pick_device_names_the_local_rank_and_the_gpu_count(ex):
+    """LOCAL_RANK=3 on a machine with 2 GPUs raises a RuntimeError that names both numbers, the
+    local rank 3 and the GPU count 2."""
     too_many = runtime_error_from(
         lambda: ex.pick_device({"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4"}, gpu_count=2),
         "LOCAL_RANK=3 on a machine with 2 GPUs")

@@ -92,6 +92,13 @@ def readable(path: Path):
 @pytest.mark.task4_3
 @pytest.mark.parametrize("as_text", [False, True], ids=["Path", "str"])
 def test_save_on_rank0_writes_once_atomically_and_everyone_waits(ex, tmp_path, as_text):
+    """On 2 gloo ranks with a slowed `torch.save`, given a `Path` or a `str`: only rank 0 saves,
+    once, keys without `module.`, to a temporary file in the same folder (the previous checkpoint
+    stays readable), and no rank returns before the new one is complete.
+
+    Every rank then reads the new weights, and no file is left beside the checkpoint. A barrier
+    inside the `if` shows up as torch's timeout error within the 5 s process-group timeout, not a
+    hang."""
     raise_if_untouched(ex.save_on_rank0)  # not attempted: no ranks
     try:
         results = run_on_ranks(saving_on_rank, str(tmp_path), as_text=as_text,

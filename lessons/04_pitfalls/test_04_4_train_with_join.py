@@ -56,6 +56,9 @@ def joining_on_rank(ctx) -> dict:
 
 @pytest.mark.task4_4
 def test_train_with_join_trains_every_batch_without_hanging(ex):
+    """On 2 gloo ranks with 2 and 4 batches, `train_with_join` returns without hanging (a 5 s
+    process-group timeout), takes one step per batch on each rank, and ends with the weights of a
+    reference loop under `Join`."""
     raise_if_untouched(ex.train_with_join)  # not attempted: no ranks
     try:
         results = run_on_ranks(joining_on_rank, pg_timeout=GRADE_TIMEOUT, timeout=40)

@@ -37,6 +37,8 @@ CLAUSES = {
 
 @pytest.mark.task4_5
 def test_load_checkpoint_maps_devices_and_strips_prefixes(ex, tmp_path, monkeypatch):
+    """A checkpoint with `module.` keys whose tensors are recorded on `cuda:0` loads on a CPU:
+    `torch.load` is given a `map_location`, and the returned model holds the saved weights."""
     torch.manual_seed(0)
     trained = nn.Linear(4, 2)
     path = tmp_path / "ddp.pt"
@@ -67,6 +69,8 @@ def test_load_checkpoint_maps_devices_and_strips_prefixes(ex, tmp_path, monkeypa
 
 @pytest.mark.task4_5
 def test_load_checkpoint_accepts_plain_keys_and_rejects_wrong_ones(ex, tmp_path):
+    """A checkpoint with plain keys loads unchanged, and one without `bias` raises a RuntimeError
+    that names it (strict loading)."""
     torch.manual_seed(0)
     trained = nn.Linear(4, 2)
     plain = tmp_path / "plain.pt"
@@ -110,6 +114,8 @@ class RunsCodeWhenLoaded:
 
 @pytest.mark.task4_5
 def test_load_checkpoint_refuses_a_checkpoint_that_runs_code(ex, tmp_path):
+    """A checkpoint that calls a function when it is unpickled is refused, and the function never
+    runs (`weights_only=True`)."""
     torch.manual_seed(0)
     state = {f"module.{k}": v for k, v in nn.Linear(4, 2).state_dict().items()}
     path = tmp_path / "runs_code.pt"
@@ -133,6 +139,8 @@ def test_load_checkpoint_refuses_a_checkpoint_that_runs_code(ex, tmp_path):
 
 @pytest.mark.task4_5
 def test_load_checkpoint_rejects_an_unexpected_key(ex, tmp_path):
+    """A checkpoint with one key too many, `module.scale`, raises a RuntimeError that names `scale`.
+    """
     torch.manual_seed(0)
     trained = nn.Linear(4, 2)
     extra = tmp_path / "extra.pt"
@@ -155,6 +163,8 @@ class Wrapper(nn.Module):
 
 @pytest.mark.task4_5
 def test_load_checkpoint_strips_only_the_leading_prefix(ex, tmp_path):
+    """The DDP checkpoint of a model whose own submodule is called `module` (keys
+    `module.module.weight`, ...) loads: only the leading `module.` is stripped."""
     torch.manual_seed(0)
     trained = Wrapper()
     path = tmp_path / "ddp_of_wrapper.pt"

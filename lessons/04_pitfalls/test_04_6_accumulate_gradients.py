@@ -88,6 +88,9 @@ def accumulation_problem(r: dict, k: int) -> str:
 @pytest.mark.task4_6
 @pytest.mark.parametrize("group", ACCUMULATION_GROUPS)
 def test_accumulate_gradients_syncs_once_and_equals_the_full_batch(ex, group):
+    """For 4 micro-batches, DDP all-reduces every gradient exactly once (a communication hook
+    counts), and the gradient equals one process's on all ranks' micro-batches; 2 ranks, gloo on the
+    CPU, and with GPUs gloo on `cuda:0` and nccl."""
     raise_if_untouched(ex.accumulate_gradients)  # not attempted: no ranks
     world, backend, device = group
     k = 4
@@ -125,6 +128,8 @@ def accumulating_onto_earlier_gradients(ctx, k: int) -> dict:
 
 @pytest.mark.task4_6
 def test_accumulate_gradients_neither_zeroes_nor_steps(ex):
+    """On 2 gloo ranks, gradients of 0.25 already in `.grad` are kept: after the call every gradient
+    is 0.25 plus the full batch's, and no weight has changed."""
     raise_if_untouched(ex.accumulate_gradients)  # not attempted: no ranks
     k = 4
     results = run_on_ranks(accumulating_onto_earlier_gradients, k)

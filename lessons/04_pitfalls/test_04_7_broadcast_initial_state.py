@@ -51,6 +51,9 @@ def broadcasting_on_rank(ctx, src: int) -> dict:
 @pytest.mark.task4_7
 @pytest.mark.parametrize("src", [0, 1, None], ids=["src=0", "src=1", "default"])
 def test_broadcast_initial_state_copies_parameters_and_buffers(ex, src):
+    """On 2 gloo ranks whose models start from different seeds, every parameter and buffer
+    (BatchNorm's running statistics and batch counter) equals rank src's after the call, for src=0,
+    src=1 and the default, rank 0."""
     raise_if_untouched(ex.broadcast_initial_state)  # not attempted: no ranks
     try:
         results = run_on_ranks(broadcasting_on_rank, src, pg_timeout=GRADE_TIMEOUT, timeout=40)
@@ -85,6 +88,8 @@ def broadcasting_in_place_on_rank(ctx, src: int) -> dict:
 
 @pytest.mark.task4_7
 def test_broadcast_initial_state_writes_into_the_models_own_tensors(ex):
+    """On 2 gloo ranks with src=1, the tensors the model held before the call (as an optimizer would
+    hold them) hold rank 1's values after it: the copy is made in place."""
     raise_if_untouched(ex.broadcast_initial_state)  # not attempted: no ranks
     results = run_on_ranks(broadcasting_in_place_on_rank, 1, pg_timeout=GRADE_TIMEOUT,
                            timeout=40)

@@ -46,9 +46,12 @@ SCAFFOLD = ("setup", "demo", "summarize", "main")
 
 
 def test_every_lab_carries_the_same_scaffold():
-    """A lab is one file a learner can copy and run alone, so the scaffold is copied into every
-    lab, not imported: one setup(), identical everywhere; demo(fix, ...) and summarize(facts, fix)
-    called from main; the --fix and --result options."""
+    """All 15 labs carry the same scaffold, copied, not imported: one `setup()`, identical in
+    every lab; `demo(fix, ...)` and `summarize(facts, fix)` called from `main`; the `--fix` and
+    `--result` options.
+
+    A lab is one file a learner can copy and run alone, so the scaffold is copied into every lab
+    rather than imported."""
     assert len(LABS) >= 15, f"expected the 15 labs, found {[p.name for p in LABS]}"
     first, reference = None, None
     for path in LABS:
@@ -88,6 +91,9 @@ def test_every_lab_carries_the_same_scaffold():
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_set_epoch_decides_whether_epochs_reshuffle(fix):
+    """Lab 1 on 2 gloo ranks, 12 samples, 3 epochs: without `set_epoch` every epoch repeats epoch
+    0's order, with it every epoch's order is new; either way the ranks' shards cover the 12 samples
+    once per epoch."""
     facts = run_lab("01_set_epoch", fix=fix)
     for f in facts:
         orders = f["orders"]
@@ -108,6 +114,9 @@ def test_set_epoch_decides_whether_epochs_reshuffle(fix):
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_without_a_sampler_every_rank_reads_everything(fix):
+    """Lab 2 on 2 gloo ranks, 12 samples in batches of 3: without a sampler each rank reads all 12
+    in 4 steps, with `DistributedSampler` disjoint halves in 2 steps; `shuffle=True` next to a
+    sampler raises "mutually exclusive"."""
     facts = run_lab("02_no_sampler", fix=fix)
     seen = [sorted(f["seen"]) for f in facts]
     if fix:
@@ -125,6 +134,9 @@ def test_without_a_sampler_every_rank_reads_everything(fix):
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_padding_skews_an_evaluation_metric(fix):
+    """Lab 3 on 2 gloo ranks, 11 samples, 8 classified right: the padded sampler evaluates sample 0
+    twice and reports 8/12, and averaging the ranks' accuracies gives the mean of 5/6 and 3/5; the
+    fix evaluates every sample once and reports 8/11, as one process does."""
     facts = run_lab("03_padded_eval", fix=fix)
     evaluated = [i for f in facts for i in f["shard"]]
     for f in facts:
@@ -144,6 +156,9 @@ def test_padding_skews_an_evaluation_metric(fix):
 
 
 def test_global_rank_as_gpu_index_overflows_the_second_machine():
+    """Lab 4 for an emulated job of 2 machines with 2 GPUs each: the global rank picks GPUs 0, 1, 2,
+    3 (the second machine has no 2 or 3), the local rank 0, 1, 0, 1; the lab reports the first as
+    the symptom and the second as fixed."""
     lab04 = lab("04_device_from_rank")
     buggy = [lab04.gpu_index(env, fix=False) for env in lab04.TWO_MACHINES]
     fixed = [lab04.gpu_index(env, fix=True) for env in lab04.TWO_MACHINES]
@@ -154,7 +169,12 @@ def test_global_rank_as_gpu_index_overflows_the_second_machine():
 
 
 def test_the_lab_names_the_process_that_asked_for_a_gpu_its_machine_lacks():
-    """What lesson 09's two-node GPU run reports, given as the facts its ranks gather."""
+    """Lab 4's verdict names what went wrong from the facts ranks gather: rank 1 (local rank 0)
+    asking for `cuda:1`, rank 1's tensors on `cuda:0`, LOCAL_RANK 1 on a machine with 1 GPU; and
+    `cuda:0` on both ranks of two one-GPU nodes passes.
+
+    The first is what lesson 09's two-node GPU run reports, given here as the facts its ranks
+    gather."""
     lab04 = lab("04_device_from_rank")
     emulated = [lab04.gpu_index(env, fix=False) for env in lab04.TWO_MACHINES]
     two_nodes = [{"rank": 0, "local_rank": 0, "emulated": emulated, "bare_cuda_tensor": "cuda:0"},
@@ -177,6 +197,8 @@ def test_the_lab_names_the_process_that_asked_for_a_gpu_its_machine_lacks():
 @pytest.mark.slow
 @needs_gpus(2, "two ranks on two GPUs, to see where a bare 'cuda' lands")
 def test_without_set_device_every_rank_lands_on_gpu_0():
+    """Lab 4 under torchrun with 2 ranks on 2 GPUs: without `set_device` both ranks' bare `"cuda"`
+    tensors land on `cuda:0`; with `--fix`, on `cuda:0` and `cuda:1`."""
     script = f"lessons/{LESSON}/labs/04_device_from_rank.py"
     buggy = run_script(script, launcher="torchrun", nproc=2).data["ranks"]
     fixed = run_script(script, "--fix", launcher="torchrun", nproc=2).data["ranks"]
@@ -188,6 +210,8 @@ def test_without_set_device_every_rank_lands_on_gpu_0():
 
 
 def test_a_barrier_only_rank_0_calls_times_out(tmp_path):
+    """Lab 5 on 2 gloo ranks with a 2 s process-group timeout: a barrier only rank 0 calls ends in
+    torch's own "Timed out" error, within 20 s, instead of a hang."""
     began = time.monotonic()
     with pytest.raises(RankError, match="Timed out"):
         run_lab("05_rank0_collective", str(tmp_path), fix=False, pg_timeout=HANG_TIMEOUT,
@@ -196,6 +220,8 @@ def test_a_barrier_only_rank_0_calls_times_out(tmp_path):
 
 
 def test_a_barrier_every_rank_calls_lets_training_go_on(tmp_path):
+    """Lab 5's fix on 2 gloo ranks: rank 0 writes the checkpoint, every rank passes the barrier, and
+    after one more step both ranks hold the same weight."""
     facts = run_lab("05_rank0_collective", str(tmp_path), fix=True)
     assert_close(torch.tensor(facts[1]["weight"]), torch.tensor(facts[0]["weight"]),
                  "weight after the save and one more step", rank=1)
@@ -206,6 +232,8 @@ def test_a_barrier_every_rank_calls_lets_training_go_on(tmp_path):
 
 
 def test_uneven_inputs_hang_without_join():
+    """Lab 6 on 2 gloo ranks with 3 and 4 batches and a 2 s process-group timeout: without `Join`
+    the ranks end in torch's own "Timed out" error, within 20 s, instead of a hang."""
     began = time.monotonic()
     with pytest.raises(RankError, match="Timed out"):
         run_lab("06_uneven_inputs", fix=False, pg_timeout=HANG_TIMEOUT, timeout=30)
@@ -213,6 +241,8 @@ def test_uneven_inputs_hang_without_join():
 
 
 def test_join_lets_uneven_ranks_finish_with_equal_weights():
+    """Lab 6's fix on 2 gloo ranks: under `Join`, rank 0 trains its 3 batches and rank 1 its 4, and
+    both end with the same weight."""
     facts = run_lab("06_uneven_inputs", fix=True)
     assert [f["steps"] for f in facts] == [3, 4], "every rank trains on all its batches"
     assert_close(torch.tensor(facts[1]["weight"]), torch.tensor(facts[0]["weight"]),
@@ -224,6 +254,9 @@ def test_join_lets_uneven_ranks_finish_with_equal_weights():
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_unused_parameters_break_ddp_until_declared(fix):
+    """Lab 7 on 2 gloo ranks, 3 steps: plain DDP with an unused `aux_head` raises "Expected to have
+    finished reduction" on every rank; freezing it, `static_graph=True` and
+    `find_unused_parameters=True` each train, all to the same weights on every rank."""
     facts = run_lab("07_unused_parameters", fix=fix, steps=3)
     if fix:
         weights = {tuple(f[option][1]) for f in facts for option in lab("07_unused_parameters")
@@ -240,6 +273,8 @@ def test_unused_parameters_break_ddp_until_declared(fix):
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_calling_model_module_skips_the_gradient_all_reduce(fix):
+    """Lab 8 on 2 gloo ranks: through `model.module(x)` the ranks' first gradients and final weights
+    differ (by more than 1e-3); through `model(x)` they are equal."""
     facts = run_lab("08_module_forward", fix=fix)
     gradients = [torch.tensor(f["first_gradient"]) for f in facts]
     weights = [torch.tensor(f["weight"]) for f in facts]
@@ -255,6 +290,10 @@ def test_calling_model_module_skips_the_gradient_all_reduce(fix):
 
 
 def test_checkpoint_mistakes_show_their_symptoms(tmp_path):
+    """Lab 9 on 2 gloo ranks shows every scene's symptom: both ranks write the file, rank 1 reads
+    before rank 0 has written (`FileNotFoundError`), `module.` keys do not load, a `cuda:0` file
+    loaded without `map_location` fails on a CPU (lands on `cuda:0` with a GPU), and a crash
+    mid-save destroys the previous checkpoint."""
     facts = run_lab("09_checkpoints", str(tmp_path), fix=False)
     assert facts[0]["writers"] == 2, "every rank wrote the same file"
     assert facts[1]["early_read"].startswith("FileNotFoundError"), facts[1]["early_read"]
@@ -267,6 +306,9 @@ def test_checkpoint_mistakes_show_their_symptoms(tmp_path):
 
 
 def test_checkpoint_fixes_remove_them(tmp_path):
+    """Lab 9's fixes on 2 gloo ranks: only rank 0 writes; the early read, the prefix and the crash
+    scenes load (the crash still happens, the previous checkpoint survives it); `map_location` puts
+    the tensors on the CPU."""
     facts = run_lab("09_checkpoints", str(tmp_path), fix=True)
     assert facts[0]["writers"] == 1, "only rank 0 wrote"
     for f in facts:
@@ -281,6 +323,9 @@ def test_checkpoint_fixes_remove_them(tmp_path):
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_accumulation_all_reduces_every_micro_step_without_no_sync(fix):
+    """Lab 10 on 2 gloo ranks, 4 micro-steps: DDP all-reduces every gradient 4 times without
+    `no_sync()`, once with forward and backward inside it, and 4 times with only the backward
+    inside; each time the gradient is the full batch's (to 1e-5)."""
     facts = run_lab("10_no_sync", fix=fix, k=4)
     for f in facts:
         assert f["sync_rounds"] == (1 if fix else 4), (
@@ -299,6 +344,8 @@ def test_accumulation_all_reduces_every_micro_step_without_no_sync(fix):
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_a_summed_loss_shrinks_the_gradient_by_the_world_size(fix):
+    """Lab 11 on 2 gloo ranks: DDP's gradient is half of one process's on the global batch with
+    `reduction="sum"`, and equal to it with the mean."""
     facts = run_lab("11_sum_loss", fix=fix)
     for f in facts:
         expected = 1.0 if fix else 1 / f["world_size"]
@@ -312,6 +359,9 @@ def test_a_summed_loss_shrinks_the_gradient_by_the_world_size(fix):
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_equal_seeds_repeat_augmentation_and_unbroadcast_models_differ(fix):
+    """Lab 12 on 2 gloo ranks: seeded alike, the ranks draw the same augmentation, and hand-averaged
+    models built from different seeds end with different weights; the fix (a generator per rank, a
+    broadcast from rank 0) reverses both."""
     facts = run_lab("12_random_state", fix=fix)
     same_augmentation = facts[0]["augmentation"] == facts[1]["augmentation"]
     same_weights = facts[0]["weights"] == facts[1]["weights"]
@@ -321,6 +371,9 @@ def test_equal_seeds_repeat_augmentation_and_unbroadcast_models_differ(fix):
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_dataloader_workers_repeat_across_ranks_seeded_alike(fix):
+    """Lab 12's `DataLoader` with 2 workers, for ranks 0 and 1 in one process: seeded alike, both
+    ranks' workers produce the same numbers; with a generator seeded `seed + rank` they differ.
+    Within a rank the two workers always differ."""
     lab12 = lab("12_random_state")
     with torch.random.fork_rng():  # the lab seeds the global generator
         draws = [lab12.worker_draws(rank, fix, workers=2) for rank in (0, 1)]
@@ -332,6 +385,9 @@ def test_dataloader_workers_repeat_across_ranks_seeded_alike(fix):
 
 
 def test_batchnorm_statistics_are_per_rank():
+    """Lab 13 on 2 gloo ranks, each with data of another mean: the ranks' BatchNorm running means
+    differ (by more than 0.01), and each rank's gradient differs from one process's on the global
+    batch."""
     facts = run_lab("13_batchnorm", fix=False)
     spread = (torch.tensor(facts[0]["running_mean"]) -
               torch.tensor(facts[1]["running_mean"])).abs().max()
@@ -341,12 +397,17 @@ def test_batchnorm_statistics_are_per_rank():
 
 
 def test_syncbatchnorm_fix_says_it_needs_gpus_on_the_cpu():
+    """Lab 13's fix on 2 gloo CPU ranks stops with the message that `SyncBatchNorm` needs GPU
+    tensors, because it raises on a CPU."""
     facts = run_lab("13_batchnorm", fix=True)
     assert "needs GPU tensors: on a CPU it raises" in facts[0].get("skipped", ""), facts[0]
 
 
 @needs_gpus(2, "SyncBatchNorm on nccl")
 def test_syncbatchnorm_shares_statistics_across_ranks():
+    """Lab 13's fix on 2 nccl ranks, one GPU each: `SyncBatchNorm` gives both ranks the same running
+    mean, within 1e-5 of one process's on the global batch, and that process's gradient (to 1e-4).
+    """
     facts = run_lab("13_batchnorm", fix=True, world_size=2, backend="nccl", device="cuda")
     assert_close(torch.tensor(facts[1]["running_mean"]), torch.tensor(facts[0]["running_mean"]),
                  "SyncBatchNorm running mean", rank=1)
@@ -360,9 +421,12 @@ def test_syncbatchnorm_shares_statistics_across_ranks():
 
 @pytest.mark.parametrize("fix", [False, True], ids=["symptom", "fix"])
 def test_progress_printed_by_rank_0_only(fix):
-    """Every rank runs every print: W copies of each line (under torchrun each reaches the
-    terminal, tagged with its rank: tests/test_torch_claims.py checks torchrun's --tee), until
-    only rank 0 prints. CI runs the lab itself under torchrun (the course manifest)."""
+    """Lab 15 on 2 gloo ranks, 3 steps: every rank prints each of its 3 progress lines; with the
+    fix rank 0 prints its 3 and rank 1 none, and the lab's verdict says which.
+
+    Under torchrun each copy reaches the terminal, tagged with its rank
+    (tests/test_torch_claims.py checks torchrun's --tee); CI runs the lab itself under torchrun
+    (the course manifest)."""
     facts = run_lab("15_print_once", fix=fix)
     assert len(facts[0]["printed"]) == 3
     assert len(facts[1]["printed"]) == (0 if fix else 3), f"rank 1 printed {facts[1]['printed']}"
@@ -377,6 +441,9 @@ def test_progress_printed_by_rank_0_only(fix):
 
 @pytest.mark.slow
 def test_a_notebook_cell_cannot_spawn_or_init_alone(launches):
+    """Lab 14 run the way a kernel runs a cell (`python -c`): the `mp.spawn` children fail with
+    "Can't get attribute 'work'", and a lone 2-rank `init_process_group` times out with "1/2
+    clients"."""
     data = launches["notebook"].result().data
     assert data["spawn"]["returncode"] != 0
     assert "Can't get attribute 'work'" in data["spawn"]["error"], data["spawn"]
@@ -386,6 +453,8 @@ def test_a_notebook_cell_cannot_spawn_or_init_alone(launches):
 
 @pytest.mark.slow
 def test_a_notebook_can_launch_a_guarded_script_with_torchrun(launches):
+    """Lab 14's fix: a guarded script started with torchrun from a subprocess runs 2 ranks, whose
+    all-reduce gives 3, and exits with code 0."""
     data = launches["notebook --fix"].result().data
     assert data["launch"]["returncode"] == 0, data["launch"]
     assert "2 ranks trained; all-reduce gave 3" in data["launch"]["output"]
@@ -393,6 +462,9 @@ def test_a_notebook_can_launch_a_guarded_script_with_torchrun(launches):
 
 @pytest.mark.slow
 def test_doctor_passes_on_a_healthy_group(launches):
+    """The doctor under torchrun with 2 ranks passes: ranks, barrier and value-checked all-reduce,
+    bandwidth at 1 and 4 MB, the verdict from rank 0 only, and the
+    `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` torchrun sets (on nccl with 2 GPUs, else gloo)."""
     run = launches["doctor"].result()
     data = run.data
     assert data["ok"] and data["verdict"].startswith("OK"), data.get("verdict")
@@ -413,6 +485,8 @@ def test_doctor_passes_on_a_healthy_group(launches):
 
 @pytest.mark.slow
 def test_doctor_runs_as_one_process_without_a_launcher(launches):
+    """The doctor under plain `python` runs as a group of one: it passes, measures no bandwidth, and
+    reports the torch version and the numpy and pytest packages as present."""
     data = launches["doctor, python"].result().data
     assert data["ok"] and [r["rank"] for r in data["ranks"]] == [0]
     assert "bandwidth" not in data, "one rank has nobody to measure bandwidth with"
@@ -422,6 +496,8 @@ def test_doctor_runs_as_one_process_without_a_launcher(launches):
 
 
 def test_doctor_names_a_missing_package_and_the_fix(monkeypatch):
+    """With numpy made to look missing, the doctor's package check marks it missing and reports one
+    problem: numpy is missing, and what it is needed for."""
     doctor = load_lesson_module(LESSON, "doctor")
     real_version = doctor.importlib.metadata.version
 
@@ -437,6 +513,9 @@ def test_doctor_names_a_missing_package_and_the_fix(monkeypatch):
 
 
 def test_doctor_explains_each_setting_that_is_set_and_warns_where_it_costs():
+    """The doctor lists only the NCCL, gloo and torch.distributed variables that are set, sorted,
+    each with its default (one not in its table too), and warns for `DETAIL`, a flight-recorder size
+    of 0 and blocking wait, not for a default or harmless value."""
     doctor = load_lesson_module(LESSON, "doctor")
     lines = doctor.explain_settings({
         "PATH": "/usr/bin", "TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_DISTRIBUTED_DEBUG": "detail",
@@ -460,6 +539,8 @@ def test_doctor_explains_each_setting_that_is_set_and_warns_where_it_costs():
 
 @pytest.mark.slow
 def test_doctor_names_a_stalled_rank_instead_of_hanging(launches):
+    """The doctor under torchrun with rank 1 stalled and a 5 s timeout exits non-zero, rank 0 giving
+    a HANG verdict in the barrier that names rank 1; rank 1 prints one line of its own."""
     run = launches["doctor, stall"].result()  # within its 90 s limit, or LaunchError
     assert run.returncode != 0
     assert run.data["failed_step"] == "barrier" and run.data["kind"] == "hang", run.data
@@ -473,6 +554,8 @@ def test_doctor_names_a_stalled_rank_instead_of_hanging(launches):
 
 @pytest.mark.slow
 def test_doctor_names_the_step_where_a_rank_crashed(launches):
+    """The doctor under torchrun with rank 1 made to crash exits non-zero, and rank 0's verdict,
+    CRASH or STOPPED, names the all-reduce."""
     run = launches["doctor, crash"].result()
     assert run.returncode != 0
     assert any("simulating a crash" in line for line in run.rank_lines(1))
@@ -483,6 +566,9 @@ def test_doctor_names_the_step_where_a_rank_crashed(launches):
 
 @pytest.mark.slow
 def test_doctor_gives_up_on_a_step_past_its_deadline(launches):
+    """The doctor as one process stuck in its barrier step with `--timeout 1`, where no torch
+    timeout applies, gives up at its own deadline (no answer within 3 s) and prints every thread's
+    stack, which shows the stuck step."""
     run = launches["doctor, stuck alone"].result()
     assert run.returncode != 0
     assert run.data["failed_step"] == "barrier" and run.data["kind"] == "hang", run.data
@@ -495,6 +581,8 @@ def test_doctor_gives_up_on_a_step_past_its_deadline(launches):
 @pytest.mark.slow
 @needs_gpus(1, "the doctor's CUDA checks: NCCL, devices, peer-to-peer")
 def test_doctor_checks_the_gpus():
+    """The doctor under torchrun on up to 2 GPUs passes on nccl, reports NCCL's version and one GPU
+    per rank, and with 2 GPUs or more a peer-to-peer row for every GPU."""
     nproc = min(2, torch.cuda.device_count())
     data = run_script(DOCTOR, "--timeout", "60", "--sizes", "8", launcher="torchrun",
                       nproc=nproc).data
