@@ -164,6 +164,10 @@ def both_collectives(ctx):
 @pytest.mark.task5_2
 @pytest.mark.parametrize("world", WORLDS)
 def test_reduce_scatter_mean_and_all_gather_pieces(ex, world):
+    """On 2, 3 and 4 gloo ranks, `reduce_scatter_mean` gives each rank its padded piece of the
+    mean of every rank's tensor and `all_gather_pieces` rebuilds the whole from a short or a
+    padded piece, each in one collective of the padded size, for tensors of 15, 7, 8 and 1
+    elements."""
     for part in (ex.reduce_scatter_mean, ex.all_gather_pieces):
         raise_if_untouched(part)  # a stub: not attempted, without starting ranks
     results = run_on_ranks(both_collectives, world_size=world)
@@ -208,6 +212,13 @@ def test_reduce_scatter_mean_and_all_gather_pieces(ex, world):
 @pytest.mark.task5_2
 @pytest.mark.parametrize("group", GROUPS)
 def test_zero1_trains_like_ddp_and_shards_the_optimizer_state(ex, group):
+    """ZeRO-1 takes DDP's steps: every parameter after each of 3 AdamW steps on 2, 3 and 4 gloo
+    ranks, against DDP and (the last step) one process on the whole batches; its AdamW holds
+    state for about 1/W of the elements, and a step reduce-scatters and all-gathers each padded
+    parameter once.
+
+    Also checked: the first step's update against DDP's, and the bytes a rank holds after the
+    backward of step 2 (`harness/memory.py`) against the formula, within 10 %."""
     raise_if_untouched(ex.Zero1Optimizer.__init__)  # a stub: not attempted, without starting ranks
     world, backend, device = group
     results = run_on_ranks(train_beside_ddp, "zero1", "adamw", STEPS, world_size=world,
@@ -279,6 +290,14 @@ def assert_step_before_backward_refused(outcomes: list, name: str) -> None:
 @pytest.mark.task5_3
 @pytest.mark.parametrize("group", GROUPS)
 def test_zero2_trains_like_ddp_and_shards_the_gradients(ex, group):
+    """ZeRO-2 takes DDP's steps (every parameter after each of 3 AdamW steps on 2, 3 and 4 gloo
+    ranks, against DDP and one process), holds no more whole gradients at once in the backward
+    than the largest parameter's, none after it; a step reduce-scatters and all-gathers each
+    padded parameter once.
+
+    Also checked: the first step's update against DDP's, and the bytes a rank holds after the
+    backward of step 2 (`harness/memory.py`) against the formula, within 10 %. The whole
+    gradients are measured after every parameter's hook has run."""
     raise_if_untouched(ex.Zero2Optimizer.__init__)  # a stub: not attempted, without starting ranks
     world, backend, device = group
     results = run_on_ranks(train_beside_ddp, "zero2", "adamw", STEPS, world_size=world,
@@ -312,7 +331,8 @@ HAND_ZERO = [pytest.param("zero1", "Zero1Optimizer", marks=pytest.mark.task5_2, 
 @pytest.mark.parametrize("method,graded", HAND_ZERO)
 @pytest.mark.parametrize("world", [2, 3])
 def test_hand_zero_keeps_the_gradient_scale_of_ddp(ex, method, graded, world):
-    """SGD steps by the gradient itself: an update W times DDP's means a missing division."""
+    """ZeRO-1 and ZeRO-2 take DDP's first SGD step on 2 and 3 gloo ranks: SGD steps by the
+    gradient itself, so an update W times DDP's would show a sum where the mean belongs."""
     raise_if_untouched(getattr(ex, graded).__init__)  # a stub: not attempted, without ranks
     results = run_on_ranks(train_beside_ddp, method, "sgd", 1, world_size=world)
     for rank, result in enumerate(results):
@@ -321,6 +341,8 @@ def test_hand_zero_keeps_the_gradient_scale_of_ddp(ex, method, graded, world):
 
 @pytest.mark.parametrize("method,graded", HAND_ZERO)
 def test_hand_zero_step_before_backward_is_a_clear_error(ex, method, graded):
+    """`step()` before any backward raises a RuntimeError saying backward must come first,
+    before any collective is called (ZeRO-1 and ZeRO-2, 2 gloo ranks)."""
     raise_if_untouched(getattr(ex, graded).step)  # a stub: not attempted, without ranks
     outcomes = run_on_ranks(step_before_backward, method, world_size=2, timeout=20,
                             pg_timeout=5.0)
@@ -366,8 +388,9 @@ def refused_step(ctx, method: str, before: str):
 
 @pytest.mark.parametrize("method,graded", HAND_ZERO)
 def test_hand_zero_names_the_first_parameter_without_a_gradient(ex, method, graded):
-    """A backward through the first layer only: parameter 2, shape (7, 6), is the first without
-    a gradient, and the error says which, by index and shape."""
+    """After a backward through the first layer only, `step()` raises a RuntimeError naming
+    parameter 2 by index and shape (7, 6), before any collective (ZeRO-1 and ZeRO-2, 2 gloo
+    ranks)."""
     raise_if_untouched(getattr(ex, graded).step)  # a stub: not attempted, without ranks
     outcomes = run_on_ranks(refused_step, method, "half", world_size=2, timeout=20,
                             pg_timeout=5.0)
@@ -394,8 +417,9 @@ def test_hand_zero_names_the_first_parameter_without_a_gradient(ex, method, grad
 
 @pytest.mark.parametrize("method,graded", HAND_ZERO)
 def test_hand_zero_step_needs_a_backward_since_the_last_step(ex, method, graded):
-    """A second step() with no backward() since the first has no gradient to step on: the
-    first step used them up and let them go."""
+    """A second `step()` with no backward since the first raises RuntimeError before any
+    collective: the first step used the gradients up and let them go (ZeRO-1 and ZeRO-2, 2 gloo
+    ranks)."""
     raise_if_untouched(getattr(ex, graded).step)  # a stub: not attempted, without ranks
     outcomes = run_on_ranks(refused_step, method, "step", world_size=2, timeout=20,
                             pg_timeout=5.0)
@@ -449,8 +473,9 @@ def hand_zero_built(ctx, method: str) -> dict:
 
 @pytest.mark.parametrize("method,graded", HAND_ZERO)
 def test_hand_zero_builds_adamw_on_views_of_this_ranks_pieces(ex, method, graded):
-    """``{graded}(params, **defaults)``: the inner optimizer is AdamW by default, given the
-    settings, over views of this rank's pieces of the parameters' own memory."""
+    """Given only `lr` and `weight_decay`, the inner optimizer is an AdamW with those settings
+    over one view per parameter, each this rank's piece (`shard_bounds`) of the parameter's own
+    memory (ZeRO-1 and ZeRO-2, 2 gloo ranks)."""
     raise_if_untouched(getattr(ex, graded).__init__)  # a stub: not attempted, without ranks
     results = run_on_ranks(hand_zero_built, method, world_size=2)
     for rank, got in enumerate(results):
@@ -477,8 +502,8 @@ def test_hand_zero_builds_adamw_on_views_of_this_ranks_pieces(ex, method, graded
 
 @pytest.mark.parametrize("method,graded", HAND_ZERO)
 def test_hand_zero_step_lets_go_of_every_gradient(ex, method, graded):
-    """After step(): no whole gradient (reduced, it is not needed again) and no piece's
-    gradient (stepped, likewise) is left."""
+    """After a backward and `step()`, no parameter keeps its whole gradient and no piece keeps
+    its gradient (ZeRO-1 and ZeRO-2, 2 gloo ranks)."""
     raise_if_untouched(getattr(ex, graded).step)  # a stub: not attempted, without ranks
     results = run_on_ranks(hand_zero_built, method, world_size=2)
     for rank, got in enumerate(results):
@@ -507,6 +532,8 @@ def backward_after_remove(ctx) -> dict:
 
 @pytest.mark.task5_3
 def test_zero2_remove_takes_its_hooks_off(ex):
+    """After `remove()`, a backward calls no collective and leaves every parameter its whole
+    gradient: the hooks are gone (2 gloo ranks)."""
     raise_if_untouched(ex.Zero2Optimizer.remove)  # a stub: not attempted, without ranks
     results = run_on_ranks(backward_after_remove, world_size=2, timeout=20, pg_timeout=5.0)
     for rank, got in enumerate(results):
@@ -519,8 +546,9 @@ def test_zero2_remove_takes_its_hooks_off(ex):
 
 @pytest.mark.parametrize("method,graded", HAND_ZERO)
 def test_hand_zero_zero_grad_forgets_an_earlier_backward(ex, method, graded):
-    """``zero_grad()`` between a backward and the next one throws the first away, as any
-    optimizer's does: for ZeRO-2 that means the reduced pieces too."""
+    """A backward thrown away with `zero_grad()` before each step's own leaves DDP's trajectory:
+    2 AdamW steps on 2 gloo ranks against DDP, for ZeRO-1 and ZeRO-2 (whose reduced pieces must
+    be cleared too)."""
     raise_if_untouched(getattr(ex, graded).zero_grad)  # a stub: not attempted, without ranks
     results = run_on_ranks(accumulate_beside_ddp, method, 1, 2, discard_first=True,
                            world_size=2)
@@ -553,7 +581,8 @@ def zero1_gradients_after_zero_grad(ctx) -> dict:
 
 @pytest.mark.task5_2
 def test_zero1_zero_grad_sets_to_none_by_default_and_zeros_when_asked(ex):
-    """As any optimizer's: ``zero_grad()`` leaves no gradient, ``set_to_none=False`` zeros."""
+    """After a backward, ZeRO-1's `zero_grad()` leaves every gradient None and
+    `zero_grad(set_to_none=False)` leaves zeros, as torch's optimizers do (2 gloo ranks)."""
     raise_if_untouched(ex.Zero1Optimizer.zero_grad)
     results = run_on_ranks(zero1_gradients_after_zero_grad, world_size=2)
     for rank, seen in enumerate(results):

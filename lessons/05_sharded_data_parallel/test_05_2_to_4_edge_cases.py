@@ -40,8 +40,9 @@ ACCUMULATION_HINTS = {
 @pytest.mark.parametrize("micro_batches", [2, 3])
 def test_accumulated_backwards_then_one_step_equal_ddp_with_no_sync(ex, method, graded,
                                                                    micro_batches):
-    """Gradient accumulation (lesson 04): k backwards, then one step, equal DDP's k backwards
-    under no_sync, for every sharded method."""
+    """2 and 3 accumulated backwards, then one step, equal DDP's under `no_sync()`: 2 AdamW
+    steps on 2 gloo ranks, for ZeRO-1, ZeRO-2 and FSDP2 (which syncs only the last,
+    `set_requires_gradient_sync`)."""
     raise_if_untouched(getattr(ex, graded))  # a stub: not attempted, without starting ranks
     results = run_on_ranks(accumulate_beside_ddp, method, micro_batches, world_size=2)
     for rank, result in enumerate(results):
@@ -54,10 +55,12 @@ def test_accumulated_backwards_then_one_step_equal_ddp_with_no_sync(ex, method, 
 
 @pytest.mark.parametrize("method,graded", EDGE_METHODS)
 def test_shares_of_different_sizes_train_as_ddp_does(ex, method, graded):
-    """When the world size does not divide the batch, the ranks read shares of different sizes
-    (5, 4 and 3 of 12 here) and each averages its own: the mean of those means is not one
-    process's mean over all 12, for DDP and for every sharded method alike. What must hold is
-    that the method takes DDP's steps."""
+    """With shares of 5, 4 and 3 of 12 sequences on 3 gloo ranks, ZeRO-1, ZeRO-2 and FSDP2 take
+    DDP's 2 AdamW steps.
+
+    Each rank averages its own share: the mean of those means is not one process's mean over all
+    12, for DDP and for every sharded method alike. What must hold is that the method takes
+    DDP's steps."""
     raise_if_untouched(getattr(ex, graded))  # a stub: not attempted, without starting ranks
     results = run_on_ranks(train_beside_ddp, method, "adamw", 2, "gpt", uneven=True,
                            world_size=3)
@@ -67,8 +70,9 @@ def test_shares_of_different_sizes_train_as_ddp_does(ex, method, graded):
 
 @pytest.mark.parametrize("method,graded", EDGE_METHODS)
 def test_more_ranks_than_elements_in_a_parameter(ex, method, graded):
-    """A 3-element weight and a 1-element bias on 4 ranks: some ranks own empty pieces (and, in
-    FSDP2, empty rows), and training must still equal DDP's and one process's."""
+    """With a 3-element weight and a 1-element bias on 4 gloo ranks, where some pieces (and, in
+    FSDP2, some rows) are empty, ZeRO-1, ZeRO-2 and FSDP2 take DDP's and one process's 2 AdamW
+    steps."""
     raise_if_untouched(getattr(ex, graded))  # a stub: not attempted, without starting ranks
     results = run_on_ranks(train_beside_ddp, method, "adamw", 2, "stack", world_size=4)
     for rank, result in enumerate(results):

@@ -67,6 +67,9 @@ CLAUSES = {
 @pytest.mark.task5_4
 @pytest.mark.parametrize("group", FSDP_GROUPS)
 def test_shard_model_trains_like_ddp(ex, group):
+    """`shard_model` takes DDP's steps: every parameter after each of 3 AdamW steps on 2, 3 and
+    4 gloo ranks, against DDP and (the last step) one process on the whole batches; a rank holds
+    the formula's ZeRO-3 bytes after the backward of step 2, within 10 %."""
     raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
     world, backend, device = group
     results = run_on_ranks(train_beside_ddp, "fsdp", "adamw", STEPS, world_size=world,
@@ -106,8 +109,13 @@ def dim0_padded_bytes(module: nn.Module, world: int) -> int:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("reshard", [True, False], ids=["default-reshard", "keep"])
 def test_reshard_after_forward_trades_memory_for_an_all_gather(ex, world, reshard):
-    """The text's claim: with reshard_after_forward=True a block's gathered parameters are freed
-    after its forward and gathered again for its backward; with False they stay until then."""
+    """`reshard_after_forward=True`, the default, frees a block's gathered parameters after its
+    forward and gathers them again for the backward; `False` keeps them: a step's collectives
+    and their bytes, and what a rank holds after the forward (within 10 %), on 2 and 4 gloo
+    ranks.
+
+    The all-gathers are the root once and each block twice or once; the reduce-scatters one per
+    group, every gradient once."""
     raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
     results = run_on_ranks(fsdp_forward_and_backward, reshard, world_size=world)
     called = ("shard_model(model), reshard_after_forward's default (True)" if reshard
@@ -175,6 +183,8 @@ def shard_a_different_model(ctx, difference: str):
 @pytest.mark.task5_4
 @pytest.mark.parametrize("difference", list(OTHER_MODELS))
 def test_shard_model_refuses_a_rank_with_another_model(ex, difference):
+    """`shard_model` raises a ValueError naming rank 1 when rank 1's model has one more block,
+    or is wider, than rank 0's (2 gloo ranks)."""
     raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
     messages = run_on_ranks(shard_a_different_model, difference, world_size=2, timeout=20,
                             pg_timeout=5.0)
@@ -207,6 +217,8 @@ def first_differences(difference: str) -> set[str]:
 @pytest.mark.task5_4
 @pytest.mark.parametrize("difference", list(OTHER_MODELS))
 def test_shard_model_names_the_first_parameter_that_differs(ex, difference):
+    """That ValueError names the first parameter where rank 1's model differs from rank 0's, one
+    more block or wider (2 gloo ranks)."""
     raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
     messages = run_on_ranks(shard_a_different_model, difference, world_size=2, timeout=20,
                             pg_timeout=5.0)
@@ -240,6 +252,8 @@ def shard_a_model_with_more_at_the_end(ctx):
 
 @pytest.mark.task5_4
 def test_shard_model_gives_both_counts_when_one_model_has_more_at_the_end(ex):
+    """When rank 1's parameters are rank 0's followed by two more, the ValueError gives both
+    ranks' numbers of parameters (2 gloo ranks)."""
     raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
     messages = run_on_ranks(shard_a_model_with_more_at_the_end, world_size=2, timeout=20,
                             pg_timeout=5.0)
@@ -280,6 +294,8 @@ def shard_with_a_policy(ctx) -> dict:
 
 @pytest.mark.task5_4
 def test_shard_model_passes_the_mp_policy_to_every_fully_shard(ex):
+    """With `mp_policy` a bf16 `MixedPrecisionPolicy`, both block 0 and the root run their
+    forward on bf16 parameters: the policy reached every `fully_shard` (2 gloo ranks)."""
     raise_if_untouched(ex.shard_model)  # a stub: not attempted, without starting ranks
     for rank, seen in enumerate(run_on_ranks(shard_with_a_policy, world_size=2)):
         for where, group in (("block", "each block's"), ("root", "the root's")):

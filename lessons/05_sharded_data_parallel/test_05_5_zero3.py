@@ -85,6 +85,9 @@ def gather_one_parameter(ctx):
 @pytest.mark.task5_5
 @pytest.mark.parametrize("world", WORLDS)
 def test_all_gather_shard_forward_and_backward(ex, world):
+    """`AllGatherShard`'s forward gathers the whole parameter from the pieces, and its backward
+    gives each rank's piece the mean over ranks of its part of the gradient, for tensors of 15,
+    7, 8 and 1 elements on 2, 3 and 4 gloo ranks."""
     raise_if_untouched(ex.AllGatherShard.forward)  # a stub: not attempted, without starting ranks
     results = run_on_ranks(gather_one_parameter, world_size=world)
     for index, shape in enumerate(SHAPES):
@@ -198,6 +201,14 @@ ZERO3_CASES.append(pytest.param((4, "gloo", "cpu"), "stack",
 @pytest.mark.task5_5
 @pytest.mark.parametrize("group,model_name", ZERO3_CASES)
 def test_zero3_blocks_train_like_ddp_and_free_what_they_gather(ex, group, model_name):
+    """`Zero3Blocks` takes DDP's steps (each of 3 AdamW steps on 2, 3 and 4 gloo ranks, and on 4
+    with 3- and 1-element parameters) and holds nothing it gathered once the forward is over; a
+    step all-gathers each padded parameter twice and reduce-scatters it once.
+
+    Also checked: one piece per parameter, the blocks on the meta device, the first backward's
+    gradient of each piece against DDP's, and, on the test GPT only, autograd keeping less than
+    the whole parameters and a rank's bytes after the backward of step 2 within 10 % of the
+    formula."""
     for part in (ex.AllGatherShard.forward, ex.Zero3Blocks.__init__):
         raise_if_untouched(part)  # a stub: not attempted, without starting ranks
     world, backend, device = group

@@ -140,6 +140,10 @@ def wrapped_indices(model, blocks) -> list[int]:
 @pytest.mark.task5_6
 @pytest.mark.parametrize("every", [None, 2, 5], ids=["default", "every-2", "past-the-last"])
 def test_checkpointed_blocks_run_twice_and_the_step_is_the_same(ex, every):
+    """`checkpoint_blocks` of a 4-block GPT with `every` left to its default, 2 and 5 wraps
+    blocks every - 1, 2 every - 1, ... in place: those run their forward twice in a step, the
+    others once, and a step with dropout gives the unwrapped model's loss, gradients and
+    generator state, bit for bit."""
     model, returned, forwards, blocks, names = checkpointed(ex, every)
     call = ("checkpoint_blocks(a 4-block GPT), every's default" if every is None
             else f"checkpoint_blocks(a 4-block GPT, every={every})")
@@ -158,6 +162,9 @@ def test_checkpointed_blocks_run_twice_and_the_step_is_the_same(ex, every):
 @pytest.mark.task5_6
 @sweep(max_examples=12, layers=st.integers(1, 4), every=st.integers(1, 5))
 def test_the_checkpointed_blocks_for_any_depth_and_spacing(ex, layers, every):
+    """For generated depths (1 to 4 blocks) and spacings (1 to 5), exactly blocks every - 1, 2
+    every - 1, ... run their forward twice, and a step with dropout equals the unwrapped model's
+    bit for bit."""
     model, _, forwards, _, names = checkpointed(ex, every, n_layer=layers)
     got = step(model, names)
     call = f"checkpoint_blocks(a {layers}-block GPT, every={every})"
@@ -200,8 +207,12 @@ def kept_bytes(model, inside=None) -> int:
 @pytest.mark.task5_6
 @pytest.mark.parametrize("every", [1, 2, 3])
 def test_autograd_keeps_only_the_inputs_of_checkpointed_blocks(ex, every):
-    """Without checkpointing autograd keeps what every block saves; a checkpointed block keeps
-    its input instead (one activation, batch x sequence x width floats)."""
+    """With every 1, 2 and 3, autograd keeps exactly the unwrapped model's bytes less what the
+    wrapped blocks save inside, plus their inputs, as a saved-tensors hook counts them
+    (parameters aside).
+
+    Without checkpointing autograd keeps what every block saves; a checkpointed block keeps its
+    input instead (one activation, batch x sequence x width floats)."""
     plain = make_gpt()
     whole = kept_bytes(plain)
     inside = [kept_bytes(make_gpt(), i) for i in range(CONFIG["n_layer"])]
@@ -219,7 +230,10 @@ def test_autograd_keeps_only_the_inputs_of_checkpointed_blocks(ex, every):
 
 @pytest.mark.task5_6
 def test_gradients_reach_every_block_when_the_embeddings_are_frozen(ex):
-    """Fine-tuning with frozen embeddings: block 0's input then needs no gradient, and the
+    """With the embeddings frozen, every block's parameters still get a gradient, which the
+    reentrant checkpoint would not give block 0's.
+
+    Fine-tuning with frozen embeddings: block 0's input then needs no gradient, and the
     reentrant checkpoint gives block 0's parameters none (torch warns, and trains on)."""
     model, *_, names = checkpointed(ex, 1)
     for parameter in (model.tok_emb.weight, model.pos_emb.weight):
@@ -238,9 +252,12 @@ def test_gradients_reach_every_block_when_the_embeddings_are_frozen(ex):
 
 @pytest.mark.task5_6
 def test_torch_autograd_grad_reaches_through_the_checkpointed_blocks(ex):
-    """torch.autograd.grad (and backward(inputs=...)) ask for some gradients only; the
-    reentrant checkpoint supports backward() alone, even where its input was made to need a
-    gradient so that the frozen-embeddings case passes."""
+    """`torch.autograd.grad` of the loss reaches block 0's parameters through the checkpointed
+    blocks, which the reentrant checkpoint refuses.
+
+    torch.autograd.grad (and backward(inputs=...)) ask for some gradients only; the reentrant
+    checkpoint supports backward() alone, even where its input was made to need a gradient so
+    that the frozen-embeddings case passes."""
     model, *_, names = checkpointed(ex, 1)
     inputs, targets = batch()
     _, loss = model.train()(inputs, targets)
@@ -257,6 +274,8 @@ def test_torch_autograd_grad_reaches_through_the_checkpointed_blocks(ex):
 
 @pytest.mark.task5_6
 def test_a_state_saved_without_checkpointing_loads_with_it(ex):
+    """After `checkpoint_blocks(model, 2)` the state dict's keys are unchanged, and a state
+    saved without checkpointing loads strictly."""
     saved = make_gpt().state_dict()
     model, *_ = checkpointed(ex, 2)
     keys = list(model.state_dict())
@@ -272,6 +291,7 @@ def test_a_state_saved_without_checkpointing_loads_with_it(ex):
 @pytest.mark.task5_6
 @pytest.mark.parametrize("every", [0, -1])
 def test_checkpoint_blocks_refuses_every_below_1(ex, every):
+    """`every` of 0 or -1 raises ValueError."""
     try:
         ex.checkpoint_blocks(make_gpt(), every)
     except ValueError:
@@ -314,6 +334,9 @@ def sharded_steps_on_rank(ctx) -> dict:
 
 @pytest.mark.task5_6
 def test_a_checkpointed_model_shards_with_fully_shard(ex):
+    """Checkpointed by `checkpoint_blocks` and then `fully_shard`-ed block by block, the GPT
+    gives the plain sharded model's loss and whole gradients bit for bit, with dropout, on 2
+    gloo ranks."""
     ex.checkpoint_blocks(make_gpt(), 1)  # "not attempted" here, not on the ranks
     for rank, got in enumerate(run_on_ranks(sharded_steps_on_rank, world_size=2)):
         plain, mine = got["plain"], got["checkpointed"]

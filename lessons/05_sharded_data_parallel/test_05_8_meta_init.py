@@ -127,6 +127,10 @@ def check_values(results: list[dict], call: str) -> None:
 @pytest.mark.parametrize(("world", "seed"), [(2, None), (3, 5)],
                          ids=["2-ranks-seed-default", "3-ranks-seed-5"])
 def test_the_sharded_build_is_the_eager_one(ex, world, seed):
+    """`build_sharded` of a 6-block GPT, on 2 ranks (the default seed) and 3 (seed 5), gives
+    each rank the eager `GPT(config, seed)`'s rows of every parameter, every block and the model
+    `fully_shard`-ed as groups of their own, and no parameter given memory before it was
+    sharded."""
     raise_if_untouched(ex.build_sharded)  # "not attempted" here, not on the ranks
     seeded = "" if seed is None else f", seed={seed}"
     call = f"build_sharded(a 6-block GPT{seeded}) on {world} ranks"
@@ -149,6 +153,9 @@ def test_the_sharded_build_is_the_eager_one(ex, world, seed):
 @sweep(max_examples=8, layers=st.integers(1, 3), heads=st.sampled_from([1, 2, 5]),
        vocab=st.integers(2, 40), bias=st.booleans(), world=st.sampled_from([2, 3]))
 def test_the_sharded_build_for_any_size(ex, layers, heads, vocab, bias, world):
+    """Each rank's rows of every parameter are the eager `GPT(config, 1)`'s for generated sizes
+    (1 to 3 blocks, 1, 2 or 5 heads, vocabularies of 2 to 40, biases or not) on 2 and 3 gloo
+    ranks."""
     config = dict(vocab_size=vocab, block_size=4, n_layer=layers, n_head=heads,
                   n_embd=5 * heads, bias=bias)
     raise_if_untouched(ex.build_sharded)
@@ -158,9 +165,11 @@ def test_the_sharded_build_for_any_size(ex, layers, heads, vocab, bias, world):
 
 @pytest.mark.task5_8
 def test_a_parameter_with_fewer_rows_than_ranks(ex):
-    """Always tried, whatever the sweep draws: a vocabulary of 2 on 3 ranks, so the embedding
-    and the head hold 1, 1 and 0 rows. A whole tensor copied into such a DTensor under
-    implicit_replication() raises (DTensor finds no sharding of 2 rows over 3 ranks)."""
+    """A vocabulary of 2 on 3 gloo ranks, where the embedding and the head hold 1, 1 and 0 rows,
+    builds with each rank's rows the eager build's; always tried, whatever the sweep draws.
+
+    A whole tensor copied into such a DTensor under implicit_replication() raises (DTensor finds
+    no sharding of 2 rows over 3 ranks)."""
     config = dict(vocab_size=2, block_size=4, n_layer=1, n_head=1, n_embd=5, bias=True)
     raise_if_untouched(ex.build_sharded)
     check_values(run_on_ranks(build_on_rank, config, 1, world_size=3),
@@ -171,6 +180,8 @@ def test_a_parameter_with_fewer_rows_than_ranks(ex):
 @pytest.mark.task5_8
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_never_holds_the_whole_model(ex, world):
+    """While `build_sharded` builds a 6-block GPT of 83 kB on 2 and 3 gloo ranks, no rank holds
+    more at once (`AllocationPeak`) than its shards and three times the largest parameter."""
     raise_if_untouched(ex.build_sharded)
     for rank, got in enumerate(run_on_ranks(build_on_rank, DEEP, 0, world_size=world)):
         allowed = got["shards"] + SLACK * got["largest"]
@@ -185,6 +196,8 @@ def test_a_rank_never_holds_the_whole_model(ex, world):
 @needs_gpus(1, "build_sharded on a CUDA device")
 @pytest.mark.task5_8
 def test_the_sharded_build_on_a_gpu(ex):
+    """`build_sharded(..., device='cuda')` on one nccl rank puts every shard on the GPU with the
+    eager build's values."""
     raise_if_untouched(ex.build_sharded)
     results = run_on_ranks(build_on_rank, DEEP, 0, "cuda", world_size=1, backend="nccl",
                            device="cuda")

@@ -125,7 +125,9 @@ def check_activation_bytes(ex, config: GPTConfig, batch_size: int, checkpoint: b
 @pytest.mark.task5_9
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
 def test_activation_bytes_are_what_autograd_keeps(ex, checkpoint):
-    """The course's tiny model, 16 sequences: the count must be torch's to the byte."""
+    """`activation_bytes` is torch's count to the byte for the course's tiny model and 16
+    sequences, with and without checkpointing: each storage the saved-tensors hook is handed in
+    a forward, once, parameters aside."""
     config = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=32)
     check_activation_bytes(ex, config, 16, checkpoint)
 
@@ -136,6 +138,9 @@ def test_activation_bytes_are_what_autograd_keeps(ex, checkpoint):
        vocab=st.integers(2, 70), bias=st.booleans(), checkpoint=st.booleans())
 def test_activation_bytes_for_any_size(ex, heads, head_dim, layers, length, batch, vocab, bias,
                                        checkpoint):
+    """`activation_bytes` is torch's count to the byte for generated sizes (1 to 4 heads, 1 to 3
+    blocks, 1 to 16 tokens, vocabularies of 2 to 70, biases or not), with and without
+    checkpointing."""
     config = GPTConfig(vocab_size=vocab, block_size=length, n_layer=layers, n_head=heads,
                        n_embd=heads * head_dim, bias=bias)
     check_activation_bytes(ex, config, batch, checkpoint)
@@ -145,6 +150,7 @@ def test_activation_bytes_for_any_size(ex, heads, head_dim, layers, length, batc
 @pytest.mark.parametrize("batch_size, dropout", [(0, 0.0), (-2, 0.0), (4, 0.1)],
                          ids=["no-sequence", "negative", "dropout"])
 def test_activation_bytes_refuses_what_it_does_not_count(ex, batch_size, dropout):
+    """A batch of 0 or -2 sequences, or dropout 0.1, raises ValueError."""
     config = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16,
                        dropout=dropout)
     with pytest.raises(ValueError):
@@ -232,9 +238,12 @@ def texts_sum(config: GPTConfig, batch_size: int, world: int, stage: int,
        method=st.sampled_from([(0, False), (3, False), (3, True)]), checkpoint=st.booleans())
 def test_peak_bytes_is_the_texts_sum_for_any_size(ex, heads, head_dim, layers, length, share,
                                                   world, vocab, bias, method, checkpoint):
-    """To the byte, for generated sizes: the measured test above shows the sum is the peak,
-    within its tolerance; this one that the sum is the one the text adds up. ``method`` is the
-    stage and whether FSDP2 offloads."""
+    """`peak_bytes` is the text's sum to the byte for generated sizes on 1 to 4 ranks, under
+    DDP, FSDP2 and FSDP2 offloaded, with and without checkpointing: the state, the activations
+    (torch's count), the largest moment and FSDP2's gathered blocks.
+
+    The measured test shows the sum is the peak, within its tolerance; this one that the sum is
+    the one the text adds up. ``method`` is the stage and whether FSDP2 offloads."""
     stage, offload = method
     config = GPTConfig(vocab_size=vocab, block_size=length, n_layer=layers, n_head=heads,
                        n_embd=heads * head_dim, bias=bias)
@@ -259,8 +268,11 @@ EACH_MOMENT = {
 @pytest.mark.task5_9
 @pytest.mark.parametrize("name", EACH_MOMENT)
 def test_peak_bytes_whichever_moment_is_largest(ex, name):
-    """Fixed sizes for what a sweep seldom draws: the head's gradient above an MLP weight's and
-    the loss's backward, on one rank."""
+    """`peak_bytes` is the text's sum to the byte, on one rank, at six fixed sizes each making
+    another moment the largest: the head's or an MLP weight's gradient under DDP, a block's
+    gradients under FSDP2 (offloaded or not), the loss's backward, the recomputed block.
+
+    Fixed sizes for what a sweep seldom draws."""
     config, stage, checkpoint, offload = EACH_MOMENT[name]
     check_texts_sum(ex, GPTConfig(**config, n_layer=2), 1, 1, stage, checkpoint, offload)
 
@@ -293,6 +305,14 @@ OFFLOADED = [(ACTIVATIONS, 16, False), (ACTIVATIONS, 16, True), (LOSS, 4, False)
 @pytest.mark.task5_9
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_peak_bytes_predicts_the_measured_peak(ex, world):
+    """`peak_bytes` comes within 15 % of the peak measured on gloo ranks (the state held, plus
+    `AllocationPeak` over a step): DDP and FSDP2, with and without checkpointing, on 1, 2 and 4
+    ranks; and on 2, FSDP2 with `CPUOffloadPolicy(pin_memory=False)`, the step's allocations
+    beyond the state.
+
+    Offloaded, three cases: where the activations, the recomputed block or the loss's backward
+    tops the peak. Not the wide configuration, where one more block's gradient shard, which gloo
+    sometimes frees late, is 13 % of the GPU's share."""
     raise_if_untouched(ex.peak_bytes, ex.activation_bytes)
     cases = [(config, batch, stage, checkpoint, False) for config, batch in CASES[world]
              for stage in (0, 3) for checkpoint in (False, True)]
@@ -315,6 +335,8 @@ def test_peak_bytes_predicts_the_measured_peak(ex, world):
     ids=["stage1", "stage2", "stage4", "ddp-offloaded", "stage1-offloaded", "no-rank",
          "negative-ranks", "uneven", "no-sequence", "dropout"])
 def test_peak_bytes_refuses_what_it_does_not_predict(ex, arguments):
+    """Stages 1, 2 and 4, offload under stages 0 and 1, a world of 0 or -2 ranks, 16 sequences
+    over 3 ranks, no sequence and dropout 0.1 each raise ValueError."""
     assert_refuses(ex.peak_bytes, arguments, 0,
                    "DDP (stage 0) and FSDP2 (stage 3), offloaded only under FSDP2")
 
@@ -328,12 +350,14 @@ GPU_SIZE = dict(vocab_size=65, block_size=256, n_layer=8, n_head=8, n_embd=384)
                                                          (3, False, True)],
                          ids=["ddp", "ddp-checkpointed", "fsdp-offloaded"])
 def test_peak_bytes_on_a_gpu(ex, stage, checkpoint, offload):
-    """The size worth a GPU (14M parameters, 256 tokens), one process, under DDP or under FSDP2
-    with ``CPUOffloadPolicy()`` (pinned; the GPU's peak then holds no state): torch's own count
-    of the step's peak. CUDA's attention kernels keep a little more than the CPU's, and the
-    allocator rounds each block up, so the bound is 25 %; offloaded, the shards' copies to the
-    GPU before each all-gather (4 bytes a parameter of a block) are not in the sum either.
-    Written; not yet run on a GPU."""
+    """`peak_bytes` comes within 25 % of `torch.cuda.max_memory_allocated` over a step of a
+    14M-parameter GPT (256 tokens, 8 sequences) on one GPU: DDP, DDP checkpointed, and FSDP2
+    with pinned `CPUOffloadPolicy()`, whose GPU peak holds no state.
+
+    CUDA's attention kernels keep a little more than the CPU's, and the allocator rounds each
+    block up, so the bound is 25 %; offloaded, the shards' copies to the GPU before each
+    all-gather (4 bytes a parameter of a block) are not in the sum either. Written; not yet run
+    on a GPU."""
     raise_if_untouched(ex.peak_bytes, ex.activation_bytes)
     got = ex.peak_bytes(GPTConfig(**GPU_SIZE), 8, world_size=1, stage=stage,
                         checkpoint=checkpoint, offload=offload)

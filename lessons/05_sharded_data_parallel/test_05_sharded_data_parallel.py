@@ -88,6 +88,9 @@ def ddp_memory_and_traffic(ctx):
 
 
 def test_ddp_holds_sixteen_bytes_per_parameter_and_all_reduces_every_gradient():
+    """A DDP model and its AdamW hold 16 bytes per parameter after the backward, within 1 % (the
+    tensors each rank holds, `harness/memory.py`), and DDP's buckets, seen through a
+    communication hook, all-reduce every gradient once a step (2 gloo ranks)."""
     results = run_on_ranks(ddp_memory_and_traffic, world_size=2)
     psi = num_params(make_gpt())
     for rank, result in enumerate(results):
@@ -117,6 +120,8 @@ def all_reduce_two_ways(ctx, numel: int):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_all_reduce_is_a_reduce_scatter_then_an_all_gather(world):
+    """A reduce-scatter then an all-gather give what an all-reduce gives, for 1,001 elements on
+    2 and 3 gloo ranks."""
     for rank, (reduced, rebuilt) in enumerate(run_on_ranks(all_reduce_two_ways, 1001,
                                                            world_size=world)):
         assert_close(rebuilt, reduced, "reduce-scatter then all-gather vs all-reduce", rank)
@@ -148,10 +153,13 @@ def torch_zero_redundancy_optimizer(ctx):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_torchs_zero_redundancy_optimizer_is_zero1_by_whole_parameters(world):
-    """ZeroRedundancyOptimizer trains like DDP + AdamW while each rank keeps AdamW's state for
-    about 1/W of the parameters: it deals out whole parameters, so a rank may hold up to one
-    parameter more than its even share (our pieces split every parameter evenly instead); after
-    each step the owners broadcast their parameters, the whole model once."""
+    """torch's `ZeroRedundancyOptimizer` trains like DDP + AdamW on 2 and 3 gloo ranks, each
+    rank keeping AdamW's state for 1/W of the parameters to within one parameter, and after each
+    step its ranks broadcast the whole model once.
+
+    It deals out whole parameters, so a rank may hold up to one parameter more than its even
+    share (our pieces split every parameter evenly instead); after each step the owners
+    broadcast their parameters."""
     results = run_on_ranks(torch_zero_redundancy_optimizer, world_size=world)
     model = make_gpt()
     psi, largest = num_params(model), max(p.numel() for p in model.parameters())
@@ -169,10 +177,12 @@ def test_torchs_zero_redundancy_optimizer_is_zero1_by_whole_parameters(world):
 
 
 def test_hybrid_sharding_trains_what_ddp_trains_and_all_reduces_only_the_shards():
-    """The text, hybrid sharding: fully_shard on a 2 x 2 (replicate, shard) mesh takes DDP's
-    steps on 4 ranks; a step all-gathers and reduce-scatters within a row, as FSDP on 2 ranks
-    (each parameter's first dimension padded to a multiple of 2), and the only collective
-    between the rows is the all-reduce of each rank's reduced shard: half the padded model."""
+    """Hybrid sharding, `fully_shard` on a 2 x 2 (replicate, shard) mesh, takes DDP's 3 AdamW
+    steps on 4 gloo ranks; a step all-gathers and reduce-scatters within a row as FSDP on 2
+    ranks does, and all-reduces half the padded model between the rows.
+
+    Each parameter's first dimension is padded to a multiple of 2; the all-reduce between rows
+    is of each rank's reduced shard, the only collective between them."""
     model = make_gpt()
     padded, blocks = 4 * rows_padded_numel(model, 2), 4 * rows_padded_numel(model.blocks, 2)
     for rank, result in enumerate(run_on_ranks(train_beside_ddp, "hsdp", "adamw", STEPS,
@@ -202,8 +212,11 @@ def root_after_forward(ctx, reshard):
 
 @pytest.mark.parametrize("reshard", [None, True], ids=["left-to-fsdp", "true"])
 def test_fsdp_keeps_the_root_gathered_after_forward_unless_told(reshard):
-    """The text: ``fully_shard`` reshards a block after its forward by default, but keeps the
-    root gathered when its ``reshard_after_forward`` is left to it (backward begins there)."""
+    """`fully_shard` reshards a block after its forward by default, but keeps the root gathered
+    when its `reshard_after_forward` is left to it, and reshards it when told `True` (2 gloo
+    ranks).
+
+    The backward begins at the root."""
     for rank, result in enumerate(run_on_ranks(root_after_forward, reshard, world_size=2)):
         assert result["blocks_sharded"], rank
         assert result["root_sharded"] == (reshard is True), (
@@ -239,10 +252,12 @@ def fsdp_placements_and_dtypes(ctx):
 @pytest.mark.parametrize("group", [case for case in FSDP_GROUPS
                                    if case.id in ("gloo-cpu-2", "nccl-cuda-1")])
 def test_fully_shard_cuts_dim_0_and_keeps_fp32_shards_under_a_bf16_policy(group):
-    """The text: parameters become DTensors with placement Shard(0); with
-    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the all-gathers move bf16, the
-    forward computes on bf16 gathered parameters, the reduce-scatters move fp32, and the shards
-    (the master copy) and their gradients stay fp32."""
+    """`fully_shard` makes the parameters DTensors placed `Shard(0)`; under
+    `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` the all-gathers move bf16, the
+    forward computes in bf16, the reduce-scatters move fp32, and the shards and their gradients
+    stay fp32 (2 gloo ranks).
+
+    The shards are the master copy."""
     world, backend, device = group
     results = run_on_ranks(fsdp_placements_and_dtypes, world_size=world, backend=backend,
                            device=device)
@@ -327,11 +342,13 @@ def offloaded_steps(ctx, offload: bool) -> dict:
 @pytest.mark.parametrize("group", [case for case in FSDP_GROUPS
                                    if case.id in ("gloo-cpu-2", "nccl-cuda-1")])
 def test_cpu_offload_keeps_the_state_on_the_cpu_and_trains_what_fsdp_trains(group):
-    """The text, CPU offload: with CPUOffloadPolicy the shards, their gradients and AdamW's
-    state are CPU tensors (pinned), the steps are FSDP2's without it, and on a GPU a step
-    copies each parameter's shard in before its all-gathers (the root once, each block for its
-    forward and again for its backward) and each gradient's shard out, and leaves no parameter
-    on the GPU."""
+    """With `CPUOffloadPolicy`, FSDP2 takes the same 3 AdamW steps as without it, and the
+    shards, their gradients and AdamW's state are CPU tensors: on 2 gloo ranks
+    (`pin_memory=False`, nothing to copy) and on one GPU.
+
+    On the GPU the shards are pinned, a step copies each parameter's shard in before its
+    all-gathers (the root once, each block for its forward and again for its backward) and each
+    gradient's shard out, and less than the rank's parameter shards stays on the GPU."""
     world, backend, device = group
     plain = run_on_ranks(offloaded_steps, False, world_size=world, backend=backend,
                          device=device)
@@ -374,8 +391,8 @@ def shard_the_root_first(ctx):
 
 
 def test_fully_shard_on_a_block_after_the_root_fails():
-    """The text: after fully_shard(model), every parameter is already one of the root's
-    DTensors, and fully_shard on a block then fails."""
+    """After `fully_shard(model)` every parameter is already one of the root's DTensors, and
+    `fully_shard` on a block then fails (2 gloo ranks)."""
     for rank, result in enumerate(run_on_ranks(shard_the_root_first, world_size=2)):
         assert result is not None, f"rank {rank}: fully_shard on a block after the root worked"
         assert result["already_dtensors"], (
@@ -400,6 +417,9 @@ def ddp_reference():
 
 @pytest.mark.slow
 def test_script_on_two_ranks_trains_what_ddp_trains(script_runs, ddp_reference):
+    """`train_fsdp.py` under torchrun on 2 ranks x 8 trains what lesson 03's DDP trains in one
+    process x 16, one epoch: the losses to fp32 rounding, the parameters to lesson 03's bound,
+    and its one checkpoint file loads into a plain GPT with the digest rank 0 reported."""
     launch, checkpoint = script_runs
     ddp = ddp_reference
     run = launch.result()
@@ -420,6 +440,8 @@ def test_script_on_two_ranks_trains_what_ddp_trains(script_runs, ddp_reference):
 
 @pytest.mark.slow
 def test_script_reports_each_ranks_share_of_the_state(script_runs):
+    """Under torchrun on 2 ranks, the script reports each rank storing the formula's ZeRO-3
+    bytes, within 10 %, in two lines printed by rank 0 alone."""
     launch, _ = script_runs
     run = launch.result()
     reports = run.data["bytes_per_rank"]
@@ -443,8 +465,9 @@ def fit_on_ranks(ctx, reshard_after_forward: bool):
 
 
 def test_script_fit_trains_the_same_either_way_of_resharding():
-    """--no-reshard-after-forward changes when parameters are gathered, not what is learned; what
-    each rank stores between steps is its shards either way; only rank 0 gets the whole."""
+    """`--no-reshard-after-forward` changes when parameters are gathered, not what is learned:
+    on 2 ranks, the same losses and digest either way, each rank storing its shards, and only
+    rank 0 getting the whole model."""
     runs = {flag: run_on_ranks(fit_on_ranks, flag, world_size=2) for flag in (True, False)}
     psi = 55_808
     for flag, results in runs.items():
@@ -488,6 +511,8 @@ def train_script(outside_launcher):
 
 
 def test_script_explains_a_partial_launcher_environment(train_script, monkeypatch, capsys):
+    """Run with RANK and WORLD_SIZE set but no LOCAL_RANK, the script exits with status 2 and
+    one line naming LOCAL_RANK and the script, leaving no process group."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert train_script.main([]) == 2
@@ -497,6 +522,8 @@ def test_script_explains_a_partial_launcher_environment(train_script, monkeypatc
 
 
 def test_script_explains_nccl_without_gpus(train_script, monkeypatch, capsys):
+    """Asked for nccl where CUDA is unavailable, the script exits with status 2 and one line
+    saying it needs CUDA GPUs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert train_script.main(["--backend", "nccl"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
