@@ -86,6 +86,14 @@ def conjugate_diagnosis(grad: torch.Tensor, expected: torch.Tensor, own: torch.T
 @pytest.mark.parametrize("residual", [False, True], ids=["alone", "beside-a-residual"])
 @pytest.mark.parametrize("group", GROUPS)
 def test_copy_to_parallel_sums_the_gradient_in_backward(ex, group, residual):
+    """CopyToParallel (f) returns x unchanged with no collective in the forward, and in the backward
+    all-reduces a copy of the gradient once: x's gradient against the sum of every rank's upstream
+    gradient, on 2 and 4 gloo ranks, alone and beside a residual connection that shares the gradient
+    tensor.
+
+    Each rank has a different upstream gradient; the all-reduce's bytes are those of x's gradient. A
+    rank's own part only, W times the sum, and the residual path's gradient all-reduced too are each
+    named."""
     world, backend, device = group
     raise_if_untouched(ex.CopyToParallel.forward, ex.CopyToParallel.backward)
     results = run_on_ranks(conjugate_run, "f", residual=residual, world_size=world, backend=backend,
@@ -125,6 +133,9 @@ def test_copy_to_parallel_sums_the_gradient_in_backward(ex, group, residual):
 @pytest.mark.task6_1
 @pytest.mark.parametrize("group", GROUPS)
 def test_reduce_from_parallel_sums_in_forward_only(ex, group):
+    """ReduceFromParallel (g) all-reduces a copy of x once in the forward (x itself unchanged) and
+    passes the gradient through with no collective in the backward: its output against the sum of
+    every rank's x, x's gradient against the upstream one, on 2 and 4 gloo ranks."""
     world, backend, device = group
     raise_if_untouched(ex.ReduceFromParallel.forward, ex.ReduceFromParallel.backward)
     results = run_on_ranks(conjugate_run, "g", residual=False, world_size=world, backend=backend,
@@ -159,6 +170,9 @@ def pair_diagnosis(got: torch.Tensor, everyone: torch.Tensor) -> str:
 
 @pytest.mark.task6_1
 def test_conjugates_reduce_within_their_group_only(ex):
+    """f and g with `group=` sum over that group only: on 4 gloo ranks in two groups of 2, each
+    group on data of its own, f's input gradient and g's output are the sums over the pair, not over
+    all 4 ranks."""
     raise_if_untouched(ex.CopyToParallel.backward, ex.ReduceFromParallel.forward)
     results = run_on_ranks(pair_run, "conjugates", world_size=4)
     for rank, got in enumerate(results):

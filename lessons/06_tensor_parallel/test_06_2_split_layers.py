@@ -80,6 +80,10 @@ def bias_hint(extra: torch.Tensor, bias: torch.Tensor, world: int) -> str:
 
 @pytest.mark.task6_2
 def test_split_layers_use_their_group_only(ex):
+    """ColumnParallelLinear and RowParallelLinear with `group=` take their rank and size from it: on
+    4 gloo ranks in two groups of 2, each rank keeps half of the column layer's rows, and a column
+    then a row layer give the unsplit layers' output on the pair's own input, the bias added once.
+    """
     raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.RowParallelLinear.__init__)
     results = run_on_ranks(pair_run, "layers", world_size=4)
     column, row = whole_layer(IN, HIDDEN, 0), whole_layer(HIDDEN, OUT, 1)
@@ -160,6 +164,14 @@ def assert_ran(got: dict, rank: int, what: str) -> None:
 @pytest.mark.task6_2
 @pytest.mark.parametrize("group", GROUPS)
 def test_column_parallel_linear_equals_the_unsplit_layer(ex, group):
+    """ColumnParallelLinear is the unsplit 8-to-12 layer, on 2 and 4 gloo ranks: each rank keeps a
+    copy of its rows of weight and bias, outputs its slice of the features with no forward
+    collective, gets the whole input gradient, and the weight and bias gradients put back together
+    are the unsplit ones.
+
+    A copy, not a view: the slice's storage is its own size, or the whole weight would stay in
+    memory. An input gradient that only sums to the right one over the ranks is named as a missing
+    copy_to_parallel."""
     world, backend, device = group
     raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.ColumnParallelLinear.forward)
     results = run_on_ranks(split_layer_run, "column", world_size=world, backend=backend,
@@ -202,6 +214,12 @@ def test_column_parallel_linear_equals_the_unsplit_layer(ex, group):
 @pytest.mark.task6_2
 @pytest.mark.parametrize("group", GROUPS)
 def test_row_parallel_linear_equals_the_unsplit_layer(ex, group):
+    """RowParallelLinear is the unsplit 12-to-6 layer, on 2 and 4 gloo ranks: each rank keeps a copy
+    of its columns of the weight and the whole bias, all-reduces once in the forward and adds the
+    bias once; output, input-slice and bias gradients, and the weight gradients put back together,
+    are the unsplit ones.
+
+    An output off by W - 1 biases (added before the all-reduce) or by a missing bias is named."""
     world, backend, device = group
     raise_if_untouched(ex.RowParallelLinear.__init__, ex.RowParallelLinear.forward)
     results = run_on_ranks(split_layer_run, "row", world_size=world, backend=backend,
@@ -246,6 +264,9 @@ def test_row_parallel_linear_equals_the_unsplit_layer(ex, group):
     ("ColumnParallelLinear", 8, 6, 6), ("RowParallelLinear", 6, 8, 6)], ids=["column", "row"])
 def test_split_layers_refuse_sizes_that_do_not_divide(ex, builder, in_features, out_features,
                                                        size):
+    """ColumnParallelLinear and RowParallelLinear raise a ValueError naming the size and the number
+    of ranks when the dimension they split does not divide: 6 output (column) or 6 input (row)
+    features on 4 gloo ranks."""
     raise_if_untouched(getattr(ex, builder).__init__)
     results = run_on_ranks(refused, builder, in_features, out_features, world_size=4)
     assert_refused(results, builder, size, 4)
@@ -273,6 +294,9 @@ def layers_without_bias(ctx) -> dict:
 
 @pytest.mark.task6_2
 def test_split_layers_of_a_layer_without_bias_have_none(ex):
+    """Split layers made from an `nn.Linear(..., bias=False)` have a bias of None: a column
+    (8-to-12) then a row (12-to-6) layer without bias, on 2 gloo ranks, give the unsplit pair's
+    output."""
     raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.RowParallelLinear.__init__)
     results = run_on_ranks(layers_without_bias, world_size=2)
     column, row = whole_layer(IN, HIDDEN, 4), whole_layer(HIDDEN, OUT, 4)
@@ -307,6 +331,9 @@ def column_without_copy(ctx) -> dict:
 
 @pytest.mark.task6_2
 def test_column_parallel_linear_without_copy_input_leaves_the_copy_to_the_caller(ex):
+    """`ColumnParallelLinear(..., copy_input=False)` runs no collective in the backward: on 2 gloo
+    ranks, each rank's input gradient is its own part only (its upstream slice times its rows), left
+    for the caller's copy_to_parallel to sum."""
     raise_if_untouched(ex.ColumnParallelLinear.__init__, ex.ColumnParallelLinear.forward)
     results = run_on_ranks(column_without_copy, world_size=2)
     weight = whole_layer(IN, HIDDEN, 0).weight.detach()

@@ -107,9 +107,12 @@ def layer_input_grad_run(ctx, layer: str):
 @pytest.mark.parametrize("layer", ["attn", "mlp"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_split_attention_and_mlp_give_the_input_its_whole_gradient(ex, layer, world):
-    """The check a missing conjugate fails: the input's gradient on each rank is only its own
-    slice's part (1/W of the whole, on average), and the message says so. Before the training
-    test: with -x, its message is the one a learner reads first."""
+    """TensorParallelAttention and TensorParallelMLP, each alone, give the unsplit part's output and
+    its input's whole gradient on every rank, on 2 and 4 gloo ranks; a gradient that only sums to
+    the right one over the ranks is named as a missing f, one W times too large as an all-reduce in
+    g's backward.
+
+    Before the training test: with -x, its message is the one a learner reads first."""
     raise_if_untouched(ex.TensorParallelAttention.__init__, ex.TensorParallelMLP.__init__)
     results = run_on_ranks(layer_input_grad_run, layer, world_size=world)
     block = make_gpt().blocks[0]
@@ -183,6 +186,13 @@ def assert_collectives(calls, phase: str, rank: int, hint: str) -> None:
 @pytest.mark.task6_3
 @pytest.mark.parametrize("group", GROUPS)
 def test_tensor_parallel_gpt_trains_like_the_unsplit_model(ex, group):
+    """The running example split by `tensor_parallel_blocks` trains as the unsplit one on the same
+    batch: every rank's parameters against its slices of one process's after each of 3 SGD steps, on
+    2 and 4 gloo ranks, with 2 all-reduces of one fp32 activation per block each way.
+
+    The collectives are counted by wrapping them. Each rank keeps, of a block, 1/W of the split
+    weights and of the column layers' biases and the rest whole (a parameter count), each slice a
+    copy that owns its memory."""
     world, backend, device = group
     raise_if_untouched(ex.tensor_parallel_blocks, ex.TensorParallelAttention.__init__,
                        ex.TensorParallelMLP.__init__)
@@ -206,7 +216,8 @@ def test_tensor_parallel_gpt_trains_like_the_unsplit_model(ex, group):
 
 @pytest.mark.task6_3
 def test_split_attention_refuses_heads_that_do_not_divide(ex):
-    """6 heads of 4 features on 4 ranks: 24 features split evenly (6 each), heads do not."""
+    """TensorParallelAttention raises a ValueError naming 6 and 4 for 6 heads of 4 features on 4
+    gloo ranks, though the 24 features would split evenly (6 each, a head and a half)."""
     raise_if_untouched(ex.TensorParallelAttention.__init__)
     results = run_on_ranks(refused, "TensorParallelAttention", 0, 0, world_size=4,
                            n_head=6, n_embd=24)
@@ -237,6 +248,9 @@ def pair_blocks_run(ctx) -> dict:
 
 @pytest.mark.task6_3
 def test_split_blocks_use_their_group_only(ex):
+    """The split attention and MLP with `group=`, and `tensor_parallel_blocks(model, group)`, split
+    within the group: on 4 gloo ranks in two groups of 2, each on inputs of its own, outputs, input
+    gradients and the model's loss equal the unsplit ones on that pair's input."""
     raise_if_untouched(ex.TensorParallelAttention.__init__, ex.TensorParallelMLP.__init__,
                        ex.tensor_parallel_blocks)
     results = run_on_ranks(pair_blocks_run, world_size=4)
@@ -281,6 +295,9 @@ def split_in_place(ctx) -> dict:
 
 @pytest.mark.task6_3
 def test_tensor_parallel_blocks_splits_the_model_in_place(ex):
+    """`tensor_parallel_blocks(model)` splits the model's own blocks and returns the model itself:
+    on 2 gloo ranks, every block's attn and mlp are then a TensorParallelAttention and a
+    TensorParallelMLP."""
     raise_if_untouched(ex.tensor_parallel_blocks)
     for rank, got in enumerate(run_on_ranks(split_in_place, world_size=2)):
         assert got["parts"] == [("TensorParallelAttention", "TensorParallelMLP")] * len(

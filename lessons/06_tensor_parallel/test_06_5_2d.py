@@ -92,6 +92,12 @@ def two_d_run(ctx, steps: int):
 @pytest.mark.parametrize("group", group_params(world_sizes=(4,), cuda_world_sizes=(),
                                                nccl_world_sizes=(4,)))
 def test_2d_trains_like_one_process_on_the_whole_batch(ex, group):
+    """`parallelize_2d` on a dp 2 × tp 2 mesh of 4 gloo ranks, each row on half of the batch, trains
+    as one process on the whole batch: every parameter after each of 3 SGD steps; each rank holds
+    1/4 of q_proj's weight, Shard(0) on tp, and ln_1's on dp only.
+
+    Also checked: the mesh's tp groups are neighbouring ranks (rows first), and every block and the
+    model itself are FSDP modules."""
     world, backend, device = group
     raise_if_untouched(ex.parallelize_2d)
     results = run_on_ranks(two_d_run, STEPS, world_size=world, backend=backend, device=device,
@@ -151,6 +157,7 @@ def refused_mesh(ctx, shape: tuple | None = None, names: tuple | None = None):
 
 @pytest.mark.task6_5
 def test_2d_refuses_a_mesh_without_dp_and_tp(ex):
+    """`parallelize_2d` raises a ValueError naming 'dp' and 'tp' for a 1-D mesh of 2 gloo ranks."""
     raise_if_untouched(ex.parallelize_2d)
     for rank, message in enumerate(run_on_ranks(refused_mesh, world_size=2)):
         assert message is not None and message.startswith("ValueError"), (
@@ -161,6 +168,8 @@ def test_2d_refuses_a_mesh_without_dp_and_tp(ex):
 
 @pytest.mark.task6_5
 def test_2d_refuses_a_2d_mesh_named_otherwise(ex):
+    """`parallelize_2d` raises a ValueError naming 'dp' and 'tp' for a 2 × 2 mesh named ('data',
+    'model') on 4 gloo ranks: it checks the names, not only the shape."""
     raise_if_untouched(ex.parallelize_2d)
     messages = run_on_ranks(refused_mesh, MESH_2D, ("data", "model"), world_size=4)
     for rank, message in enumerate(messages):

@@ -68,6 +68,10 @@ def assert_trains_like_one_process(data: dict, weights: dict, reference: dict, w
 
 @pytest.mark.slow
 def test_script_2d_on_four_ranks_trains_what_one_process_trains(script_run, reference):
+    """train_tp.py under torchrun on 4 ranks, dp 2 × tp 2 with 8 windows per row, takes the steps of
+    lesson 03's script in one process on batches of 16: losses and gathered parameters to lesson
+    03's bound, the sample before training, and each rank's parameter bytes within 10% of the
+    split's."""
     launch, checkpoint = script_run
     run = launch.result()
     assert (run.data["world_size"], run.data["dp"], run.data["tp"]) == (4, 2, 2), run.data
@@ -93,8 +97,9 @@ CUDA_VS_CPU = {"rtol": 1e-4, "atol": 1e-5}
 @pytest.mark.parametrize("gpus", [pytest.param(n, marks=gpu_marks(n, f"nccl, tp {n}"),
                                                id=f"tp{n}") for n in (1, 2)])
 def test_script_on_gpus_trains_what_one_process_trains_on_the_cpu(reference, gpus):
-    """On GPUs the script runs nccl, one GPU per rank, every rank in one TP group: the CPU
-    reference's losses to CUDA's rounding."""
+    """train_tp.py on 1 and 2 GPUs (nccl, one GPU per rank, every rank in one TP group) gives the
+    losses of lesson 03's one-process CPU run on batches of 16, to CUDA's rounding (rtol 1e-4, atol
+    1e-5)."""
     run = run_script(SCRIPT, *TRAIN, "--batch-size", "16", launcher="torchrun", nproc=gpus)
     assert (run.data["backend"], run.data["device"], run.data["tp"]) == ("nccl", "cuda:0",
                                                                          gpus), run.data
@@ -110,7 +115,8 @@ def train_script(outside_launcher):
 
 
 def test_script_refuses_a_tp_degree_that_does_not_fit(train_script, capsys):
-    """One process: --tp 2 needs two."""
+    """train_tp.py as one plain process with `--tp 2` exits with status 2 and one line naming `--tp
+    2` and 1 process, before any process group."""
     assert train_script.main(["--tp", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tp 2" in err[0] and "1 process" in err[0], err
@@ -119,7 +125,8 @@ def test_script_refuses_a_tp_degree_that_does_not_fit(train_script, capsys):
 
 def test_script_names_the_default_tp_degree_and_what_it_must_divide(train_script, monkeypatch,
                                                                      capsys):
-    """8 processes and no --tp: the default, 8, cannot split the tiny model's 4 heads."""
+    """With 8 processes and no `--tp`, train_tp.py exits with status 2 and one line: the default
+    `--tp 8` (every process) cannot split the tiny model's 4 heads; try `--tp 4`."""
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert train_script.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -128,6 +135,8 @@ def test_script_names_the_default_tp_degree_and_what_it_must_divide(train_script
 
 
 def test_script_explains_a_partial_launcher_environment(train_script, monkeypatch, capsys):
+    """train_tp.py with RANK and WORLD_SIZE set but not LOCAL_RANK exits with status 2 and one line
+    naming LOCAL_RANK and the script."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert train_script.main([]) == 2
