@@ -56,6 +56,10 @@ SHAPES = [(1, 1), (2, 1), (2, 4), (3, 5), (4, 1), (4, 2), (4, 4), (4, 8)]
 @pytest.mark.parametrize("stages,micro_batches", SHAPES, ids=[f"p{p}-m{m}" for p, m in SHAPES])
 def test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text(
         ex, kind, stages, micro_batches):
+    """GPipe and 1F1B run in the lesson's simulator (a backward twice a forward, each send posted
+    with the next receive) without deadlock, each stage receiving in its neighbour's order, idle
+    (p - 1) / (m + p - 1) of the time and holding m (GPipe) or min(p - s, m) (1F1B) micro-batches'
+    activations: 8 shapes, p <= 4, m <= 8."""
     assert_schedule_of_the_text(ex, kind, stages, micro_batches)
 
 
@@ -63,8 +67,10 @@ def test_schedule_runs_without_deadlock_with_the_bubble_and_memory_of_the_text(
 @sweep(kind=st.sampled_from(["gpipe", "1f1b"]), stages=st.integers(1, 8),
        micro_batches=st.integers(1, 16), max_examples=60)
 def test_schedule_of_any_shape_is_the_texts(ex, kind, stages, micro_batches):
-    """Any number of stages and micro-batches: the simulator's checks, then the order of the
-    text's schedule itself (the docstring says which action comes when)."""
+    """GPipe and 1F1B of 60 generated shapes (p <= 8, m <= 16) pass the same simulator checks and
+    are, action by action, the text's order (the simulator's reference schedules).
+
+    The docstring of schedule says which action comes when."""
     plan = assert_schedule_of_the_text(ex, kind, stages, micro_batches)
     expected = reference_schedule(kind, stages, micro_batches)
     for stage, (got, want) in enumerate(zip(plan, expected, strict=True)):
@@ -109,6 +115,8 @@ def assert_schedule_of_the_text(ex, kind: str, stages: int, micro_batches: int) 
 @pytest.mark.parametrize("arguments", [("zero-bubble", 2, 4), ("1f1b", 0, 4), ("gpipe", 2, 0)],
                          ids=["unknown-kind", "no-stages", "no-micro-batches"])
 def test_schedule_rejects_what_is_not_a_pipeline(ex, arguments):
+    """schedule raises ValueError for an unknown kind ("zero-bubble"), 0 stages and 0
+    micro-batches."""
     try:
         got = ex.schedule(*arguments)
     except ValueError:

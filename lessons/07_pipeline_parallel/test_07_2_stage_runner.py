@@ -135,6 +135,11 @@ CASES = [(2, "gpipe", 1), (2, "gpipe", 4), (2, "1f1b", 2), (2, "1f1b", 8), (4, "
 @pytest.mark.task7_2
 @pytest.mark.parametrize("world,kind,m", CASES, ids=[f"p{w}-{k}-m{m}" for w, k, m in CASES])
 def test_stage_runner_trains_like_one_process(ex, world, kind, m):
+    """StageRunner takes the unsplit model's steps: every stage's gradients after the first step
+    and parameters after each of 2 SGD steps, and the last stage's micro-batch losses, against one
+    process on the whole batch; 2 and 4 gloo ranks, GPipe and 1F1B, 1 to 8 micro-batches.
+
+    The other stages return an empty list."""
     raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
     results = run_on_ranks(hand_pipeline_run, kind, m, STEPS, world_size=world)
     assert_trains_like_one_process(results, f"{kind}, {world} stages, {m} micro-batches", m)
@@ -150,6 +155,9 @@ def test_stage_runner_trains_like_one_process(ex, world, kind, m):
 @pytest.mark.task7_2
 @pytest.mark.parametrize("group", [g for g in GROUPS if g.values[0][1:] != ("gloo", "cpu")])
 def test_stage_runner_on_cuda(ex, group):
+    """StageRunner takes the unsplit model's steps on NCCL, one rank per GPU: 1F1B with 4
+    micro-batches on 2 and 4 GPUs, every stage's gradients and parameters after 2 SGD steps against
+    one process on the CPU."""
     world, backend, device = group
     raise_if_untouched(ex.StageRunner.step)
     results = run_on_ranks(hand_pipeline_run, "1f1b", 4, STEPS, world_size=world,
@@ -235,8 +243,12 @@ POSTING_CASES = [(2, "1f1b", 4), (4, "1f1b", 8), (4, "gpipe", 4)]
 @pytest.mark.parametrize("world,kind,m", POSTING_CASES,
                          ids=[f"p{w}-{k}-m{m}" for w, k, m in POSTING_CASES])
 def test_stage_runner_posts_an_order_nccl_can_run(ex, world, kind, m):
-    """gloo completes sends however they are posted; NCCL runs the operations between two
-    ranks in order. The runner's recorded posts go through the simulator's model of that."""
+    """What StageRunner posts is an order NCCL can run: each stage's sends and receives in one
+    step, recorded on 2 and 4 gloo ranks (1F1B and GPipe), pass the simulator's check_links, with
+    one send per micro-batch to each neighbour.
+
+    gloo completes sends however they are posted; NCCL runs the operations between two ranks in
+    order, which check_links models."""
     raise_if_untouched(ex.StageRunner.step)
     posted = run_on_ranks(posting_run, kind, m, world_size=world)
     for stage, mine in enumerate(posted):
@@ -297,8 +309,9 @@ def mismatched_timeouts() -> list[dict]:
 
 @pytest.mark.task7_2
 def test_mismatched_schedules_end_with_a_timeout_naming_the_stage(ex):
-    """The simulator calls these two schedules a deadlock; on real ranks the runner must turn
-    the wait into a TimeoutError that names its stage, within its timeout (1 s here)."""
+    """Two mismatched schedules on 2 gloo ranks (F0 B0 F1 B1 against F0 F1 B0 B1), a deadlock in
+    the simulator, end on each rank in StageRunner's TimeoutError naming its stage, within 7 s for
+    a 1 s timeout (the process group's own is 8 s, the run's 30)."""
     raise_if_untouched(ex.StageRunner.step)
     assert isinstance(pytest.raises(Deadlock, simulate, [
         [("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]], 2
@@ -388,10 +401,14 @@ def bubble_timelines() -> dict[tuple, list]:
 @pytest.mark.task7_2
 @pytest.mark.parametrize("world,kind,m", BUBBLES, ids=[f"p{w}-{k}-m{m}" for w, k, m in BUBBLES])
 def test_measured_bubble_matches_the_formula(ex, world, kind, m):
-    """Every stage's timeline (its computations' start and end) gathered from every rank: the
-    idle share of all stages' time against (p - 1) / (m + p - 1). The stages sleep through even
-    forwards and backwards, so the machine's load hardly matters; the sends and receives are
-    real. (The first row's test runs every row: see bubble_timelines.)"""
+    """The idle share measured on real gloo ranks is (p - 1) / (m + p - 1) within 6 percentage
+    points: every stage's timeline of one step, stages that sleep 40 ms per forward and 80 ms per
+    backward, the README's six rows of 2 and 4 stages; a row that misses is measured again, at most
+    twice.
+
+    The stages sleep, so the machine's load hardly matters; the sends and receives are real. The
+    first row's test runs every row (see bubble_timelines), the 2-stage rows beside the 4-stage
+    rows."""
     raise_if_untouched(ex.StageRunner.step)
     timelines = bubble_timelines()[world, kind, m]
     for rank, timeline in enumerate(timelines):
@@ -420,8 +437,10 @@ ACTION_WORDS = {"B": "backward|gradient", "F": "forward|input|activation|output"
 
 @pytest.mark.task7_2
 def test_a_timeout_names_the_action_and_the_stage_it_waited_for(ex):
-    """The mismatched schedules again (one run, shared with the test above): each rank's
-    TimeoutError must say in which action it waited, and for which stage."""
+    """Each rank's TimeoutError from the mismatched schedules names the action it waited in (B0 on
+    stage 0, F1 on stage 1) and the stage it waited for (stage 1, stage 0).
+
+    One run of the mismatched schedules, shared with the test above."""
     raise_if_untouched(ex.StageRunner.step)
     for rank, got in enumerate(mismatched_timeouts()):
         error = got["error"]
@@ -542,9 +561,12 @@ def watched_pipeline(m: int = 8) -> list[dict]:
 
 @pytest.mark.task7_2
 def test_stage_runner_frees_what_it_kept_for_a_micro_batch_after_its_backward(ex):
-    """1F1B holds at most p - s micro-batches' activations only if B(i) lets go of what F(i)
-    kept. At each forward, the tensors of micro-batches whose backward has run must be gone
-    (one or two may linger in the loop's variables until the next action replaces them)."""
+    """StageRunner lets go of a micro-batch's tensors after its backward: at each forward of 1F1B
+    on 2 gloo ranks and 8 micro-batches, at most 2 micro-batches whose backward has run still have
+    their input or output alive (held by weak references).
+
+    1F1B holds at most p - s micro-batches' activations only if B(i) lets go of what F(i) kept; one
+    or two may linger in the loop's variables until the next action replaces them."""
     raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
     for rank, got in enumerate(watched_pipeline()):
         for k, (alive, done) in enumerate(zip(got["alive"], got["done"], strict=True)):
@@ -558,6 +580,9 @@ def test_stage_runner_frees_what_it_kept_for_a_micro_batch_after_its_backward(ex
 
 @pytest.mark.task7_2
 def test_stage_runner_waits_for_its_lone_sends_before_step_returns(ex):
+    """Every send StageRunner posts alone (dist.isend, not in a batch) has been waited on when step
+    returns: one 1F1B step on 2 gloo ranks, 8 micro-batches, each such send's work wrapped to note
+    its wait."""
     raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
     for rank, got in enumerate(watched_pipeline()):
         assert got["unwaited"] == 0, (
@@ -569,8 +594,9 @@ def test_stage_runner_waits_for_its_lone_sends_before_step_returns(ex):
 
 @pytest.mark.task7_2
 def test_stage_runner_accumulates_the_gradients_and_leaves_the_zeroing_to_the_caller(ex):
-    """Two steps on the same micro-batches with no zero_grad between them: the gradients add up,
-    as they do for a caller accumulating over several steps."""
+    """StageRunner accumulates gradients and leaves the zeroing to the caller: two 1F1B steps of
+    the same 8 micro-batches on 2 gloo ranks, no zero_grad between them, give twice one step's
+    gradient."""
     raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
     for rank, got in enumerate(watched_pipeline()):
         first, second = got["grads"]
@@ -582,6 +608,8 @@ def test_stage_runner_accumulates_the_gradients_and_leaves_the_zeroing_to_the_ca
 
 @pytest.mark.task7_2
 def test_stage_runner_returns_the_losses_as_floats(ex):
+    """The last stage's step returns its 8 micro-batch losses as Python floats, the first stage's
+    an empty list (1F1B on 2 gloo ranks)."""
     raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
     got = watched_pipeline()
     assert got[-1]["losses"] == ["float"] * 8, (
@@ -593,8 +621,9 @@ def test_stage_runner_returns_the_losses_as_floats(ex):
 
 @pytest.mark.task7_2
 def test_stage_runner_timeline_starts_empty_and_holds_the_last_step_only(ex):
-    """The timeline right after construction, and after the second of two steps of 1F1B on 2
-    stages: one (kind, i, start, end) per action of that step, in the actions' order."""
+    """A new StageRunner's timeline is empty, and after the second of two 1F1B steps (2 gloo ranks,
+    8 micro-batches) it holds that step's actions only, in their order, one (kind, i, start, end)
+    each, no end before its start."""
     raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
     for rank, got in enumerate(watched_pipeline()):
         assert got["fresh"] == [], (
@@ -631,8 +660,9 @@ def evaluation_run(ctx, m: int) -> dict:
 
 @pytest.mark.task7_2
 def test_stage_runner_evaluates_a_list_of_forwards_only(ex):
-    """m is the number of forwards in the actions: a list of forwards only (no backward) gives
-    the same micro-batch losses as the training step's forwards."""
+    """A step of forwards only is an evaluation: after a GPipe step on 2 gloo ranks, a step of its
+    4 forwards (m counts the forwards) gives the last stage the training step's micro-batch losses,
+    and the first stage an empty list."""
     raise_if_untouched(ex.StageRunner.step, ex.StageRunner.__init__)
     m = 4
     try:

@@ -71,6 +71,10 @@ def best_largest_stage(model: GPT, num_stages: int) -> int:
 @pytest.mark.task7_3
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 5])
 def test_split_gpt_cuts_between_blocks_as_evenly_as_possible(ex, num_stages):
+    """split_gpt's gpt.GPTStage modules hold every parameter of the model once, in order
+    (embeddings first, head last), and their largest parameter count is the smallest of every
+    cut: 1 to 5 stages of a 5-block model whose embeddings and head weigh as much as three
+    blocks each."""
     model = make_gpt(**BIG_ENDS)
     stages = ex.split_gpt(model, num_stages)
     assert len(stages) == num_stages, f"split_gpt(model, {num_stages}) gave {len(stages)} stages"
@@ -111,8 +115,9 @@ def blocks_per_stage(model: GPT, stages) -> list[int]:
 @pytest.mark.task7_3
 @pytest.mark.parametrize(("n_layer", "num_stages"), [(5, 4), (6, 4), (6, 5)])
 def test_split_gpt_breaks_ties_with_the_fewest_blocks_first(ex, n_layer, num_stages):
-    """Models whose best largest stage several cuts reach: the first stage's blocks as few as
-    can be, then the second's, and so on (the first such cut in combinations order)."""
+    """Of the cuts with the smallest largest stage, split_gpt takes the first in
+    itertools.combinations order (the fewest blocks in the first stage, then the second, ...): 5
+    blocks in 4 stages and 6 blocks in 4 and 5, against every cut."""
     model = make_gpt(**{**BIG_ENDS, "n_layer": n_layer})
     sizes = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     best = best_largest_stage(model, num_stages)
@@ -135,6 +140,8 @@ def test_split_gpt_breaks_ties_with_the_fewest_blocks_first(ex, n_layer, num_sta
 @pytest.mark.task7_3
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_split_gpt_stages_chained_are_the_model(ex, num_stages):
+    """split_gpt's 2 and 4 stages, chained in one process, give the 5-block model's logits and
+    every parameter's gradient, against an unsplit copy."""
     model = make_gpt(**BIG_ENDS)
     reference = copy.deepcopy(model)
     stages = ex.split_gpt(model, num_stages)
@@ -176,7 +183,9 @@ def split_gpt_pipeline_run(ctx, m: int, steps: int):
 
 @pytest.mark.task7_3
 def test_split_gpt_stages_train_like_the_unsplit_model(ex):
-    """The cut's stages, one per process, trained through a pipeline: the unsplit model's steps."""
+    """split_gpt's 2 stages, one per gloo rank, trained through torch's Schedule1F1B with 4
+    micro-batches, take the unsplit model's steps: gradients and parameters after each of 2 SGD
+    steps against one process."""
     raise_if_untouched(ex.split_gpt)
     results = run_on_ranks(split_gpt_pipeline_run, 4, STEPS, world_size=2, timeout=60)
     assert_trains_like_one_process(results, "split_gpt's 2 stages, 1F1B, 4 micro-batches", 4)
@@ -184,6 +193,7 @@ def test_split_gpt_stages_train_like_the_unsplit_model(ex):
 
 @pytest.mark.task7_3
 def test_split_gpt_refuses_more_stages_than_blocks(ex):
+    """split_gpt raises ValueError naming both numbers for 5 stages of a 4-block model."""
     try:
         ex.split_gpt(make_gpt(), 5)
     except ValueError as error:

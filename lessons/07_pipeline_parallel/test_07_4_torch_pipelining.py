@@ -78,8 +78,11 @@ TORCH_CASES = [(2, "1f1b", 4), (2, "gpipe", 2), (4, "1f1b", 4), (4, "gpipe", 4)]
 @pytest.mark.parametrize("world,kind,m", TORCH_CASES,
                          ids=[f"p{w}-{k}-m{m}" for w, k, m in TORCH_CASES])
 def test_torch_pipelining_trains_like_one_process(ex, world, kind, m):
-    """torch's schedules take the steps of the unsplit model, as the hand-written runner does
-    (task7_2's test holds that one to the same reference)."""
+    """torch_schedule and torch_step take the unsplit model's steps: Schedule1F1B and ScheduleGPipe
+    (their type checked) on 2 and 4 gloo ranks, every stage's gradients and parameters after 2 SGD
+    steps and the last stage's losses, as floats, against one process.
+
+    task7_2's test holds the hand-written runner to the same reference."""
     raise_if_untouched(ex.torch_schedule, ex.torch_step)
     results = run_on_ranks(torch_pipeline_run, kind, m, STEPS, world_size=world, timeout=60)
     expected = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}[kind]
@@ -106,6 +109,7 @@ def torch_default_kind_run(ctx) -> str:
 
 @pytest.mark.task7_4
 def test_torch_schedule_is_1f1b_when_no_kind_is_given(ex):
+    """torch_schedule given no kind makes a Schedule1F1B (a pipeline of one rank)."""
     raise_if_untouched(ex.torch_schedule)
     made = run_on_ranks(torch_default_kind_run, world_size=1)[0]
     assert made == "Schedule1F1B", (
@@ -128,6 +132,8 @@ def torch_single_stage_run(ctx, m: int, steps: int) -> dict:
 
 @pytest.mark.task7_4
 def test_torch_step_on_a_single_stage_passes_the_inputs_and_the_targets(ex):
+    """On a pipeline of one stage, torch_step passes both the inputs and the targets: Schedule1F1B
+    with 4 micro-batches takes the unsplit model's 2 SGD steps and gives its micro-batch losses."""
     raise_if_untouched(ex.torch_schedule, ex.torch_step)
     try:
         results = run_on_ranks(torch_single_stage_run, 4, STEPS, world_size=1, timeout=60)
@@ -158,8 +164,10 @@ class RecordedSchedule:
 @pytest.mark.task7_4
 @pytest.mark.parametrize("stage", [0, 1, 2], ids=["first", "middle", "last"])
 def test_torch_step_passes_each_stage_only_what_it_uses(ex, stage):
-    """What torch_step hands to schedule.step on each stage of three: the first stage the
-    inputs alone, the last the targets and a list for the losses, a middle stage nothing."""
+    """torch_step calls schedule.step once with what each stage of three uses (the first stage the
+    inputs alone, a middle one nothing, the last the targets and a list for the losses), and
+    returns the losses as floats on the last stage and [] elsewhere, against a stand-in schedule
+    that records its calls."""
     raise_if_untouched(ex.torch_step)
     schedule = RecordedSchedule()
     inputs, targets = batch(0)

@@ -63,6 +63,10 @@ SHAPES = [(4, 8), (2, 4), (4, 4), (4, 2), (1, 3), (3, 5), (5, 10), (4, 9)]
 @pytest.mark.task7_6
 @pytest.mark.parametrize("stages,micro_batches", SHAPES, ids=[f"p{p}-m{m}" for p, m in SHAPES])
 def test_zero_bubble_is_torchs_order(ex, stages, micro_batches):
+    """zero_bubble(p, m) is ZB-H1 as torch builds it: each stage's list against the pipeline_order
+    of ScheduleInterleavedZeroBubble with one stage per rank (a fake process group) on 8 shapes,
+    among them m < p, m = p, one stage; for 4 stages and 9 micro-batches, which torch refuses, the
+    same rule."""
     raise_if_untouched(ex.zero_bubble)
     assert_torchs_order(ex, stages, micro_batches)
 
@@ -71,9 +75,9 @@ def test_zero_bubble_is_torchs_order(ex, stages, micro_batches):
 @sweep(stages=st.integers(1, MAX_STAGES), micro_batches=st.integers(1, MAX_MICRO_BATCHES),
        max_examples=60)
 def test_zero_bubble_of_any_shape_is_torchs(ex, stages, micro_batches):
-    """Any shape: torch's order; where torch refuses the shape (m not a multiple of its rounds,
-    which only its interleaved form needs), the same rule, which tests/test_torch_claims.py
-    holds equal to torch's wherever torch builds one."""
+    """zero_bubble is torch's order on 60 generated shapes (p <= 6, m <= 16); where torch refuses
+    the shape (m not a multiple of its rounds, which only its interleaved form needs), the same
+    rule, which tests/test_torch_claims.py holds equal to torch's wherever torch builds one."""
     raise_if_untouched(ex.zero_bubble)
     assert_torchs_order(ex, stages, micro_batches)
 
@@ -83,8 +87,9 @@ def test_zero_bubble_of_any_shape_is_torchs(ex, stages, micro_batches):
                          ids=["p4-m8", "p2-m4", "p3-m3", "p4-m16"])
 def test_zero_bubble_runs_in_the_simulator_with_a_third_of_1f1bs_bubble(ex, stages,
                                                                          micro_batches):
-    """A forward, a B and a W of equal time: no deadlock, the bubble (p - 1) / (3 m + p - 1),
-    and no stage holding more than p micro-batches' activations (each held until its W)."""
+    """ZB-H1 runs in the simulator with a forward, a B and a W of equal time without deadlock, idle
+    (p - 1) / (3 m + p - 1) of the time, no stage holding more than p micro-batches' activations
+    (each held until its W): 4 shapes with m >= p."""
     raise_if_untouched(ex.zero_bubble)
     plan = ex.zero_bubble(stages, micro_batches)
     call = f"zero_bubble({stages}, {micro_batches})"
@@ -114,6 +119,7 @@ def test_zero_bubble_runs_in_the_simulator_with_a_third_of_1f1bs_bubble(ex, stag
                          ids=["no-stages", "no-micro-batches", "negative-stages",
                               "negative-micro-batches"])
 def test_zero_bubble_rejects_what_is_not_a_pipeline(ex, arguments):
+    """zero_bubble raises ValueError for 0 or negative stages or micro-batches."""
     raise_if_untouched(ex.zero_bubble)
     try:
         got = ex.zero_bubble(*arguments)

@@ -83,6 +83,12 @@ MESHES = [((2, 2), ("pp", "dp")), ((2, 2), ("dp", "pp")), ((4, 1), ("pp", "dp"))
 @pytest.mark.parametrize("sizes,names", MESHES,
                          ids=["pp2-dp2", "dp2-pp2", "pp4-dp1", "pp1-dp4", "dp4-pp1", "dp1-pp4"])
 def test_average_over_copies_averages_each_stage_over_its_copies(ex, sizes, names):
+    """average_over_copies averages each gradient over its stage's copies only: known gradients on
+    4 gloo ranks over meshes of 2 x 2, 4 x 1 and 1 x 4 (both orders), each rank's against the mean
+    over mesh["dp"], a wrong group or divisor named; parameters without a gradient skipped.
+
+    It also checks torch's layout of the ranks, the last dimension varying fastest, which the
+    README's picture shows."""
     raise_if_untouched(ex.average_over_copies)
     try:
         results = run_on_ranks(known_gradients, sizes, names, world_size=4, timeout=60)
@@ -156,8 +162,9 @@ def pipeline_of_copies(ctx, pp: int, m: int, steps: int) -> dict:
 
 @pytest.mark.task7_7
 def test_a_pipeline_of_data_parallel_stages_trains_like_one_process(ex):
-    """4 ranks: 2 copies of a 2-stage pipeline, each copy on half of every batch; every rank's
-    stage after each SGD step against the unsplit model on the whole batch."""
+    """2 copies of a 2-stage pipeline train as one process: torch's Schedule1F1B over mesh["pp"] on
+    4 gloo ranks, each copy on half of every batch, average_over_copies after each step; every
+    rank's stage after each of 2 SGD steps against the unsplit model on the whole batch."""
     raise_if_untouched(ex.average_over_copies)
     try:
         results = run_on_ranks(pipeline_of_copies, 2, 2, STEPS, world_size=4, timeout=90)

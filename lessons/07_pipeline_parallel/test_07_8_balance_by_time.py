@@ -44,6 +44,9 @@ TIMES = st.lists(st.integers(1, 16).map(lambda k: k / 2), min_size=1, max_size=9
 @pytest.mark.task7_8
 @sweep(seconds=TIMES, data=st.data(), max_examples=80)
 def test_balance_by_time_is_the_cut_whose_slowest_stage_is_fastest(ex, seconds, data):
+    """balance_by_time returns one count per stage, each at least 1, summing to the layers, and its
+    slowest stage is as fast as the best of every cut: 80 generated lists of 1 to 9 layer times (in
+    halves, so that sums are exact), into 1 to that many stages."""
     raise_if_untouched(ex.balance_by_time)
     stages = data.draw(st.integers(1, len(seconds)), label="stages")
     call = f"balance_by_time({seconds}, {stages})"
@@ -66,8 +69,9 @@ def test_balance_by_time_is_the_cut_whose_slowest_stage_is_fastest(ex, seconds, 
 @pytest.mark.task7_8
 @sweep(seconds=TIMES, data=st.data(), max_examples=80)
 def test_balance_by_time_breaks_ties_with_the_fewest_layers_first(ex, seconds, data):
-    """Among the cuts whose slowest stage is fastest (times in halves tie often), the first in
-    itertools.combinations order: the fewest layers in the first stage, then the second."""
+    """Of the cuts whose slowest stage is fastest, balance_by_time takes the first in
+    itertools.combinations order (the fewest layers in the first stage, then the second, ...): 80
+    generated lists of times in halves, which tie often, against every cut."""
     raise_if_untouched(ex.balance_by_time)
     stages = data.draw(st.integers(1, len(seconds)), label="stages")
     got = ex.balance_by_time(list(seconds), stages)
@@ -90,8 +94,11 @@ CASES = [([0.6, 1.0, 1.0, 1.0, 1.0, 1.8], 3), ([3.0, 1.0, 1.0, 1.0, 2.0, 2.0], 2
 @pytest.mark.task7_8
 @pytest.mark.parametrize("seconds,stages", CASES, ids=["head-heavy", "uneven", "one", "each"])
 def test_the_balanced_cut_gives_gpipe_its_shortest_step(ex, seconds, stages):
-    """In the simulator, GPipe with each stage taking its layers' time per micro-batch: the
-    step is the total plus (m - 1) times the slowest stage, shortest for the balanced cut."""
+    """balance_by_time's cut gives GPipe its shortest step: in the simulator, 8 micro-batches, each
+    stage taking its layers' time per micro-batch, against the step of every cut, on 4 cases (a
+    head-heavy model, uneven layers, one stage, a stage per layer).
+
+    The step is the stages' total plus (m - 1) times the slowest stage."""
     raise_if_untouched(ex.balance_by_time)
     m = 8
 
@@ -112,6 +119,8 @@ def test_the_balanced_cut_gives_gpipe_its_shortest_step(ex, seconds, stages):
 @pytest.mark.parametrize("seconds,stages", [([1.5] * 5, 7), ([1.5] * 3, 0), ([1.5] * 6, -2)],
                          ids=["more-stages-than-layers", "no-stages", "negative-stages"])
 def test_balance_by_time_refuses_what_cannot_be_cut(ex, seconds, stages):
+    """balance_by_time raises ValueError naming both numbers for more stages than layers (7 for 5),
+    0 stages and -2 stages."""
     raise_if_untouched(ex.balance_by_time)
     try:
         got = ex.balance_by_time(seconds, stages)

@@ -12,7 +12,7 @@ What the lesson rests on, checked on gloo/CPU ranks (and on CUDA where present):
 The reference is one process on the whole batch, with SGD: a gradient m times too large (or
 1/m) moves the weights m times too far, where Adam would normalise the mistake away.
 
-Each task's tests are in its own file (``test_07_1_schedules.py`` ... ``test_07_4_*``), with
+Each task's tests are in its own file (``test_07_1_schedules.py`` ... ``test_07_8_*``), with
 what they share in ``common.py`` and ``conftest.py``; this file holds the lesson's own checks:
 the scripts under torchrun (train_pp.py trains, balance_stages.py times layers and cuts on them),
 and their refusals.
@@ -34,8 +34,11 @@ from lesson07.common import BALANCE, LESSON, SCRIPT, TRAIN, every_cut, stage_tim
 
 
 def test_micro_batches_must_be_equal(ex):
-    """The lesson's rule for a batch that does not divide: a clear error, naming both numbers
-    (torch's own schedules cut it unevenly instead; tests/test_torch_claims.py shows how)."""
+    """micro_batches cuts a batch of 6 into 3 equal pieces and refuses a batch of 10 in 4 with a
+    ValueError naming both numbers.
+
+    That is the lesson's rule; torch's own schedules cut such a batch unevenly instead
+    (tests/test_torch_claims.py shows how)."""
     pieces = ex.micro_batches(torch.arange(12).view(6, 2), 3)
     assert [tuple(p.shape) for p in pieces] == [(2, 2)] * 3
     with pytest.raises(ValueError, match=r"batch of 10 does not cut into 4 equal"):
@@ -56,6 +59,10 @@ def reference():
 
 @pytest.mark.slow
 def test_script_on_two_stages_trains_what_one_process_trains(script_run, reference):
+    """train_pp.py under torchrun on 2 gloo stages, 4 micro-batches, trains what lesson 03's script
+    trains as one process: train and val loss after one epoch of 64 windows (4 whole batches)
+    within lesson 03's bound; both stages' busy and idle times reach rank 0, which alone prints
+    them."""
     run = script_run.result()
     assert (run.data["world_size"], run.data["micro_batches"]) == (2, 4), run.data
     for key in ("train_loss", "val_loss"):
@@ -77,6 +84,9 @@ CUDA_VS_CPU = {"rtol": 1e-4, "atol": 1e-5}
 @pytest.mark.slow
 @needs_gpus(2, "nccl, 2 stages")
 def test_script_on_two_gpus_trains_what_one_process_trains_on_the_cpu(reference):
+    """train_pp.py on 2 GPUs (nccl, 2 stages, 4 micro-batches) trains what lesson 03's script
+    trains as one CPU process: train and val loss after one epoch of 64 windows within 1e-4
+    relative, 1e-5 absolute."""
     run = run_script(SCRIPT, *TRAIN, "--micro-batches", "4", launcher="torchrun", nproc=2)
     assert (run.data["backend"], run.data["device"]) == ("nccl", "cuda:0"), run.data
     for key in ("train_loss", "val_loss"):
@@ -91,6 +101,8 @@ def train_script(outside_launcher):
 
 
 def test_script_refuses_more_stages_than_blocks(train_script, monkeypatch, capsys):
+    """train_pp.py with WORLD_SIZE 8 exits with status 2 and one line of error naming the 8 stages
+    and the 4 blocks."""
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert train_script.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -98,13 +110,17 @@ def test_script_refuses_more_stages_than_blocks(train_script, monkeypatch, capsy
 
 
 def test_script_refuses_a_batch_that_does_not_cut_into_micro_batches(train_script, capsys):
+    """train_pp.py --batch-size 10 --micro-batches 4 exits with status 2 and one line of error
+    naming the batch of 10 and the 4 micro-batches."""
     assert train_script.main(["--batch-size", "10", "--micro-batches", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "10" in err[0] and "4 micro-batches" in err[0], err
 
 
 def test_script_refuses_compile(train_script, capsys):
-    """--compile is every script's flag, but dynamo would cut the graphs at the clock's hooks."""
+    """train_pp.py --compile exits with status 2 and one line of error about --compile.
+
+    --compile is every script's flag, but dynamo would cut the graphs at the clock's hooks."""
     assert train_script.main(["--compile"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train_pp.py: error: --compile"), err
@@ -125,8 +141,11 @@ COSTS = st.one_of(st.lists(st.integers(0, 20), min_size=1, max_size=9),
 
 @sweep(costs=COSTS, data=st.data(), max_examples=200)
 def test_the_scripts_search_finds_the_cut_trying_every_cut_finds(balance_script, costs, data):
-    """fastest_cut is task 7_3's and 7_8's rule (the first cut, in combinations order, whose
-    costliest stage costs least) without trying every cut."""
+    """balance_stages.py's fastest_cut finds the cut that trying every cut finds (the first, in
+    combinations order, whose costliest stage costs least): 200 generated lists of up to 9 whole
+    parameter counts (zeros and ties included) or measured-looking seconds.
+
+    It is task 7_3's and 7_8's rule without trying every cut."""
     stages = data.draw(st.integers(1, len(costs)), label="stages")
     best, counts = min(every_cut(costs, stages), key=lambda cut: cut[0])  # the first of the best
     got = balance_script.fastest_cut(list(costs), stages)
@@ -137,6 +156,8 @@ def test_the_scripts_search_finds_the_cut_trying_every_cut_finds(balance_script,
 
 
 def test_the_scripts_search_refuses_what_cannot_be_cut(balance_script):
+    """fastest_cut raises ValueError saying that 2 layers cannot be cut into 3 stages, and 1 layer
+    into 0."""
     for costs, stages in (([1.0, 2.0], 3), ([1.0], 0)):
         with pytest.raises(ValueError, match=rf"{len(costs)} layers cannot be cut into {stages}"):
             balance_script.fastest_cut(costs, stages)
@@ -144,6 +165,12 @@ def test_the_scripts_search_refuses_what_cannot_be_cut(balance_script):
 
 @pytest.mark.slow
 def test_balance_stages_cuts_on_what_it_measured(balance_run, balance_script):
+    """balance_stages.py on 2 gloo ranks (4 blocks, small sizes): each layer's count is torch's,
+    its cuts by parameters and by time the best of every cut of what it measured, every cut runs
+    with the unsplit model's losses and squared-gradient sums, the predicted step is the formula;
+    the measured step is only printed.
+
+    The measured step is the machine's: printed, not asserted."""
     run = balance_run.result()
     data = run.data
     arg = {name: int(value) for name, value in zip(BALANCE[::2], BALANCE[1::2], strict=True)}
@@ -196,6 +223,8 @@ def test_balance_stages_cuts_on_what_it_measured(balance_run, balance_script):
 
 def test_balance_stages_refuses_more_stages_than_blocks(balance_script, outside_launcher,
                                                         monkeypatch, capsys):
+    """balance_stages.py exits with status 2 and one line of error for 8 stages of 4 blocks, and
+    for --width 30, which does not split into 4 heads."""
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert balance_script.main(["--blocks", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
