@@ -78,6 +78,9 @@ CLAUSES = {
 @pytest.mark.task8_2
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_predicted_allreduce_is_the_ring(ex, world):
+    """`predict_allreduce_seconds` is the ring's time, 2 (W - 1) steps of alpha each sending n / W
+    bytes at beta, and 0 on one rank: 0 bytes, 4 KiB and 100 MiB on 1, 2, 4 and 8 ranks, within a
+    relative 1e-9 of the text's formula."""
     for n in (0, 4096, 100 * MiB):
         got = ex.predict_allreduce_seconds(n, world, 20e-6, 1 / 50e9)
         assert_close(torch.tensor(got, dtype=torch.float64),
@@ -92,6 +95,8 @@ def test_predicted_allreduce_is_the_ring(ex, world):
                          ids=["no rank", "negative ranks", "negative bytes on 4",
                               "negative bytes on 1", "both"])
 def test_predicted_allreduce_refuses_impossible_sizes(ex, num_bytes, world):
+    """`predict_allreduce_seconds` raises ValueError when world_size < 1 or num_bytes < 0, either
+    alone or both: 0 and -2 ranks, -1 bytes on 4, 1 and 0 ranks."""
     what = f"predict_allreduce_seconds({num_bytes}, {world}, 20e-6, 1 / 50e9)"
     why = ("world_size must be at least 1" if world < 1 else "") + (
         " and " if world < 1 and num_bytes < 0 else "") + (
@@ -133,6 +138,10 @@ def assert_buckets_are_torchs(ex, sizes: list[int], cap: int, first: int) -> Non
     ids=["tens", "one-big", "first-larger", "exactly-full", "one-byte", "all-in-one",
          "next-starts-empty"])
 def test_buckets_are_the_ones_torch_assigns(ex, sizes, cap, first):
+    """`ddp_buckets` assigns the buckets torch does: 7 hand-picked size lists (a parameter larger
+    than the cap, a first limit larger than the cap, a bucket exactly full, one byte), against
+    `torch.distributed._compute_bucket_assignment_by_size`, asked in the test, not copied from it.
+    """
     assert_buckets_are_torchs(ex, sizes, cap, first)
 
 
@@ -140,6 +149,8 @@ def test_buckets_are_the_ones_torch_assigns(ex, sizes, cap, first):
 @sweep(sizes=st.lists(st.integers(1, 4000), min_size=1, max_size=25),
        cap=st.integers(1, 6000), first=st.integers(1, 6000), max_examples=60)
 def test_buckets_are_the_ones_torch_assigns_for_any_sizes(ex, sizes, cap, first):
+    """`ddp_buckets` assigns torch's buckets on 60 generated cases: 1 to 25 parameters of 1 to 4000
+    bytes, caps and first limits of 1 to 6000 bytes, against torch's own assignment."""
     assert_buckets_are_torchs(ex, sizes, cap, first)
 
 
@@ -221,6 +232,15 @@ def mistakes(model, world: int, alpha: float, beta: float, cap_mb, wire) -> dict
                                          (0.1, 2)],
                          ids=["unset", "25-given", "one-bucket", "small", "bf16"])
 def test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds(ex, name, cap_mb, wire):
+    """`predict_ddp_comm_seconds` is one ring all-reduce per bucket that a real DDP builds (read
+    from its reducer after two steps on one gloo rank): a 4-block GPT and two chains of Linear
+    layers, one with a frozen layer, with bucket_cap_mb unset, 25, 1000, 0.25, and 0.1 at 2 bytes an
+    element; relative 1e-9.
+
+    The buckets are those DDP rebuilds in the order the gradients came, last parameter first; a
+    frozen layer's parameters are in none. A failure names the mistake an answer equals: the
+    parameters in the model's order, a 1 MiB first bucket under a given cap, 4 bytes sent per
+    element under a hook that sends 2."""
     assert_predicts_real_ddp(ex, models()[name], name, cap_mb, wire)
 
 
@@ -230,6 +250,9 @@ def test_predicted_ddp_step_is_one_allreduce_per_bucket_ddp_builds(ex, name, cap
        frozen=st.one_of(st.none(), st.integers(0, 4)), max_examples=20)
 def test_predicted_ddp_step_matches_real_ddp_for_generated_models(ex, widths, cap_mb, wire,
                                                                   frozen):
+    """`predict_ddp_comm_seconds` matches the buckets a real DDP builds on 20 generated chains of 1
+    to 5 Linear layers (widths 1 to 700), with bucket_cap_mb unset or 0.01 to 3 MiB, 4 or 2 bytes an
+    element on the wire, and a frozen layer or none."""
     if frozen is not None and frozen >= len(widths) - 1:
         frozen = None
     model = chain(widths, frozen)
@@ -240,8 +263,11 @@ def test_predicted_ddp_step_matches_real_ddp_for_generated_models(ex, widths, ca
 
 @pytest.mark.task8_2
 def test_predicted_ddp_step_counts_each_parameters_own_bytes(ex):
-    """A float64 model, no hook: each element is its parameter's element_size(), 8 bytes, in the
-    buckets and on the wire (the other tests' models are all float32, 4 bytes)."""
+    """Without a hook each element sends its parameter's own element_size(): a float64 chain of
+    Linear layers, 8 bytes an element in the buckets and on the wire, against the buckets a real DDP
+    builds with bucket_cap_mb 0.25.
+
+    The other tests' models are all float32, 4 bytes an element."""
     model = chain([64, 64, 64, 2000]).double()
     alpha, beta, world, cap_mb = 50e-6, 1 / 10e9, 4, 0.25
     got = ex.predict_ddp_comm_seconds(model, world, alpha, beta, bucket_cap_mb=cap_mb)

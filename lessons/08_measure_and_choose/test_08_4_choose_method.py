@@ -63,6 +63,9 @@ CLAUSES = {
 @pytest.mark.task8_4
 @pytest.mark.parametrize("case", readme_cases(), ids=lambda case: case["case"])
 def test_choose_method_follows_the_table_of_the_text(ex, case):
+    """`choose_method` gives the method of every row of the README's decision table, read from the
+    README by the test: dense models and mixtures of experts, NVLink and PCIe, one GPU to 8 nodes;
+    where the row says error, a ValueError whose message holds a number."""
     arguments = {k: v for k, v in case.items() if k not in ("case", "method")}
     shown = ", ".join(f"{k}={v}" for k, v in arguments.items())
     if case["method"] == "error":
@@ -105,9 +108,11 @@ def first_fit(model: int, activations: int, memory: int, gpus: int, per_node: in
        memory=st.integers(1, 512), link=st.sampled_from(["nvlink", "pcie"]), moe=st.booleans())
 def test_choose_method_is_the_tables_first_fit_on_generated_clusters(
         ex, nodes, per_node, model, activations, memory, link, moe):
-    """Clusters of 1 to 8 nodes of 1 to 8 GPUs, sizes in units that every split divides
-    exactly (so no rounding decides a boundary): the method is the table's first fit, and
-    where nothing fits, a ValueError."""
+    """`choose_method` is the table's first row that fits, or a ValueError where none does, on 60
+    generated clusters: 1 to 8 nodes of 1, 2, 4 or 8 GPUs, NVLink or PCIe, dense or a mixture of
+    experts, against the table's rows written in the test.
+
+    The sizes are in units that every split divides exactly, so no rounding decides a boundary."""
     gpus = nodes * per_node
     unit = 64 * 8  # every count of GPUs here divides it
     arguments = (model * unit, activations * unit, memory * unit // 4, gpus, per_node, link, moe)
@@ -137,6 +142,8 @@ def test_choose_method_is_the_tables_first_fit_on_generated_clusters(
                          ids=["no memory", "unknown link", "not whole nodes", "no model",
                               "no GPUs", "no GPUs per node", "negative activations"])
 def test_choose_method_refuses_nonsense(ex, arguments):
+    """`choose_method` raises ValueError for nonsense: no GPU memory, an unknown link, GPUs that are
+    not whole nodes, no model, no GPUs, no GPUs per node, negative activations."""
     assert_refuses(ex.choose_method, arguments, "sizes and counts must be positive "
                    "(activation_bytes may be 0), the link known, the GPUs whole nodes")
 
@@ -167,6 +174,8 @@ BOUNDARIES = [
 @pytest.mark.parametrize("arguments,method,why", BOUNDARIES,
                          ids=[f"{b[1]}-{i}" for i, b in enumerate(BOUNDARIES)])
 def test_choose_method_counts_exactly_full_as_fitting(ex, arguments, method, why):
+    """A method whose bytes equal the GPU's memory fits: 12 cases, each exactly at the limit of its
+    row (one device, DDP, FSDP, pp+fsdp, cp+tp+fsdp, cp+fsdp, and the mixtures of experts' rows)."""
     got = ex.choose_method(*arguments)
     assert got == method, (
         f"choose_method{arguments} returned {got!r}, expected {method!r}: {why}, and bytes that "
@@ -175,6 +184,9 @@ def test_choose_method_counts_exactly_full_as_fitting(ex, arguments, method, why
 
 @pytest.mark.task8_4
 def test_choose_method_errors_say_the_bytes_the_smallest_option_needs(ex):
+    """Where nothing fits, the ValueError says the bytes the smallest option needs: one GPU, one
+    node over PCIe and two nodes over NVLink, each one byte short, name the 5e9, 2e9 and 1e9 bytes
+    needed; two GPUs, one per node, that each hold the whole run are DDP."""
     raise_if_untouched(ex.choose_method)
     error = assert_refuses(ex.choose_method, (GB, GB, 5 * GB - 1, 1, 1, "nvlink"),
                            "one GPU of 5 GB - 1 byte cannot hold 4 x 1 GB + 1 GB")

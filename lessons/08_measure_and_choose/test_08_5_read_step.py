@@ -146,6 +146,9 @@ def grade(ex, events: list[dict], step=None, *, why: str, expected: dict | None 
 
 @pytest.mark.task8_5
 def test_read_step_skips_events_that_are_not_complete(ex):
+    """`read_step` counts only complete events: metadata, instant and flow events (ph M, i and s),
+    which have no duration, among them change nothing; against the count over every piece of time.
+    """
     events = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "a"}},
               profiler_step(3, 100, 100), event(BACKWARD + "AddmmBackward0", 110, 20),
               {"ph": "i", "name": "gloo:all_reduce", "pid": 1, "tid": 2, "ts": 120, "s": "t"},
@@ -158,6 +161,9 @@ def test_read_step_skips_events_that_are_not_complete(ex):
 
 @pytest.mark.task8_5
 def test_read_step_takes_the_lowest_numbered_step_as_a_number(ex):
+    """Without a step, `read_step` reads the lowest-numbered one, compared as a number: of
+    ProfilerStep#10 and #9 it reads #9 (as strings, '10' sorts first); given step=10, it reads #10.
+    """
     events = [profiler_step(10, 0, 100), event(BACKWARD + "AddmmBackward0", 10, 50),
               profiler_step(9, 200, 100), event(BACKWARD + "AddmmBackward0", 210, 20)]
     got = grade(ex, events, why="with step=None the step is ProfilerStep#9: 9 is smaller than "
@@ -168,6 +174,8 @@ def test_read_step_takes_the_lowest_numbered_step_as_a_number(ex):
 
 @pytest.mark.task8_5
 def test_read_step_refuses_a_trace_without_that_step(ex):
+    """`read_step` raises ValueError for a trace without the step asked for: one with no
+    ProfilerStep event at all, and step 2 of a trace that has only step 1."""
     raise_if_untouched(ex.read_step)
     for events, step, why in (([event(BACKWARD + "AddmmBackward0", 0, 5)], None,
                                "the trace has no ProfilerStep# event at all"),
@@ -180,6 +188,9 @@ def test_read_step_refuses_a_trace_without_that_step(ex):
 
 @pytest.mark.task8_5
 def test_read_step_counts_what_starts_inside_the_step_cut_at_its_end(ex):
+    """An event is the step's when it starts inside it, and counts up to the step's end: an
+    all-reduce that runs past the end counts 20 of its 50 us; a backward event that began before the
+    step and a data event that begins at its end do not count."""
     events = [profiler_step(1, 100, 100),
               event(BACKWARD + "AddmmBackward0", 90, 30),  # started before: not the step's
               event(BACKWARD + "AddmmBackward0", 150, 20),
@@ -193,6 +204,9 @@ def test_read_step_counts_what_starts_inside_the_step_cut_at_its_end(ex):
 
 @pytest.mark.task8_5
 def test_read_step_tells_the_kinds_by_the_start_of_their_names(ex):
+    """The kinds are told by the start of their names: c10d::allreduce_, aten::mm, a bare
+    AddmmBackward0 or AccumulateGrad, Optimizer.step and DistributedDataParallel.forward count as
+    none; gloo:..., enumerate(DataLoader)#... and autograd::engine::evaluate_function: ... do."""
     events = [profiler_step(1, 0, 1000)]
     for k, name in enumerate(NAMES["other"]):
         events.append(event(name, 10 + 100 * k, 50))
@@ -208,6 +222,9 @@ def test_read_step_tells_the_kinds_by_the_start_of_their_names(ex):
 
 @pytest.mark.task8_5
 def test_read_step_unites_overlapping_events_of_a_kind(ex):
+    """A kind's time is the union of its events, not the sum: a backward event nested in another
+    adds nothing (200 us, not 250), and two all-reduces on two threads covering 250 to 400 us count
+    150, not 200."""
     events = [profiler_step(1, 0, 1000),
               event(BACKWARD + "AddmmBackward0", 100, 200),
               event(BACKWARD + "torch::autograd::AccumulateGrad", 150, 50),  # nested
@@ -220,6 +237,9 @@ def test_read_step_unites_overlapping_events_of_a_kind(ex):
 
 @pytest.mark.task8_5
 def test_read_step_exposes_only_what_no_backward_hides(ex):
+    """The exposed communication is the time in which an all-reduce runs and no backward event does,
+    each moment once where two all-reduces overlap: communication from 150 to 500 us, with the
+    backward at 100-200 and 300-400, exposes 200 us."""
     events = [profiler_step(1, 0, 1000),
               event(BACKWARD + "AddmmBackward0", 100, 100),
               event(BACKWARD + "AddmmBackward0", 300, 100),
@@ -233,6 +253,9 @@ def test_read_step_exposes_only_what_no_backward_hides(ex):
 
 @pytest.mark.task8_5
 def test_read_step_lists_each_bucket_with_its_overlap(ex):
+    """Each all-reduce is a bucket, listed in order of start as (start from the step's start,
+    duration, the time the backward covers): (200, 100, 100) and (500, 100, 50), though the trace
+    lists them the other way round."""
     events = [profiler_step(1, 1000, 1000),
               event("gloo:all_reduce", 1500, 100, tid=3),
               event(BACKWARD + "AddmmBackward0", 1100, 450),
@@ -255,6 +278,12 @@ def spans(count: int):
        backward=spans(6), comm=spans(5), data=spans(2), other=spans(3), pick=st.integers(0, 3))
 def test_read_step_agrees_with_a_count_over_every_piece_of_time(ex, numbers, backward, comm,
                                                                   data, other, pick):
+    """`read_step` agrees with a count over every piece of time between two event boundaries on 40
+    generated traces: 1 to 3 steps numbered out of order, each with up to 6 backward, 5
+    communication, 2 data and 3 look-alike events on two threads, some crossing the step's edges.
+
+    Either the default step or a chosen one is read; metadata and flow events are mixed in; times
+    agree within 1e-3 us."""
     events = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "gloo"}}]
     for k, number in enumerate(numbers):  # steps 0..200, 300..500, ... in a shuffled numbering
         events.append(profiler_step(number, 300 * k, 200))
@@ -302,6 +331,13 @@ def traced_ddp_steps(ctx, bucket_cap_mb: float, path: str) -> list[dict] | None:
 
 @pytest.mark.task8_5
 def test_read_step_reads_real_traces_of_ddp_on_gloo(ex, tmp_path):
+    """`read_step` reads real traces of DDP on 2 gloo ranks as the count does: six 512 x 512 layers
+    fed by a DataLoader, 3 profiled steps with 1 MiB buckets (6 of them) and 3 with one bucket; the
+    layers' backward runs during the small buckets' all-reduces, only the launching hook during one.
+
+    With one bucket, at most 3 backward events overlap its all-reduce, all of them AccumulateGrad;
+    with small buckets at least 2 do. Each kind's time in the first step is above 0. An all-reduce's
+    event is clipped at the end of its step (see `overlapping_backward`)."""
     raise_if_untouched(ex.read_step)
     small = run_on_ranks(traced_ddp_steps, 1, str(tmp_path / "small.json"), world_size=2)[0]
     one = run_on_ranks(traced_ddp_steps, 1000, str(tmp_path / "one.json"), world_size=2)[0]

@@ -143,6 +143,10 @@ def assert_same(ex, why: str, root, units, world_size, precision="fp32",
 
 @pytest.mark.task8_6
 def test_each_parameter_travels_padded_to_a_multiple_of_the_world(ex):
+    """Each parameter travels padded to ceil(rows / W) * W rows, one by one, not the group's total:
+    a (3, 2) parameter on 4 ranks moves 4 rows, two 1-element ones on 2 ranks 2 rows each, and 65
+    rows on 128 ranks 128; against FSDP2 itself in a fake world, its units keeping their parameters.
+    """
     kept = dict(reshard_after_forward=False)
     assert_same(ex, "a (3, 2) parameter on 4 ranks is cut into pieces of ceil(3 / 4) = 1 row, "
                     "and travels as 4 rows of 2: 32 bytes in fp32, not 24 (the payload is the "
@@ -157,6 +161,9 @@ def test_each_parameter_travels_padded_to_a_multiple_of_the_world(ex):
 
 @pytest.mark.task8_6
 def test_the_root_gathers_once_whatever_the_units_do(ex):
+    """The root gathers its own parameters once: alone on 2 ranks one all-gather and one
+    reduce-scatter, and on 3 ranks once while its two resharding units gather twice each; against
+    FSDP2 in a fake world."""
     assert_same(ex, "torch keeps the root's parameters after its forward (its backward runs "
                     "first): one all-gather, one reduce-scatter", [(6, 2)], [], 2)
     assert_same(ex, "the root gathers once, while each unit, which freed its parameters, gathers "
@@ -165,6 +172,9 @@ def test_the_root_gathers_once_whatever_the_units_do(ex):
 
 @pytest.mark.task8_6
 def test_a_unit_gathers_again_for_its_backward_only_if_it_resharded(ex):
+    """A unit that frees its parameters after the forward gathers them again before its backward
+    (two all-gathers, one reduce-scatter); with reshard_after_forward=False it gathers once; against
+    FSDP2 in a fake world of 2 ranks."""
     assert_same(ex, "a unit that freed its parameters after its forward gathers them again "
                     "before its backward: two all-gathers, one reduce-scatter",
                 [(2,)], [[(4, 4)]], 2)
@@ -175,6 +185,9 @@ def test_a_unit_gathers_again_for_its_backward_only_if_it_resharded(ex):
 
 @pytest.mark.task8_6
 def test_gradients_reduce_in_their_own_dtype(ex):
+    """The gradients reduce in their own dtype: bf16 parameters with no reduce dtype reduce in bf16
+    (reduce_bytes None means param_bytes), with fp32 reduction all-gathers move 2 bytes an element
+    and reduce-scatters 4; against FSDP2 in a fake world of 2 ranks."""
     assert_same(ex, "bf16 parameters with no reduce_dtype: the gradients reduce in bf16 too "
                     "(reduce_bytes=None means param_bytes)", [(4,)], [[(4, 4)]], 2, "bf16")
     assert_same(ex, "bf16 parameters, fp32 reduction: all-gathers of 2 bytes an element, "
@@ -183,8 +196,12 @@ def test_gradients_reduce_in_their_own_dtype(ex):
 
 @pytest.mark.task8_6
 def test_payloads_are_elements_times_their_bytes_for_any_element_size(ex):
-    """fp8 (1 byte) and fp64 (8 bytes) are sizes the fake world's step is not run with here: the
-    payloads then scale from fp32's, element for element."""
+    """Every payload is elements times their size, for any element size: at 1 and 8 bytes (fp8,
+    fp64) and mixed pairs, all-gathers scale by param_bytes and reduce-scatters by reduce_bytes from
+    the fp32 step FSDP2 runs in a fake world of 4 ranks.
+
+    The fake world's step is not run at those sizes here: their payloads are scaled from fp32's,
+    element for element."""
     raise_if_untouched(ex.fsdp_step_collectives)  # before the oracle's fake world starts
     root, units = [(5, 3)], [[(4, 4), (3,)], [(7,)]]
     fp32 = Counter(oracle(root, units, 4))
@@ -200,6 +217,8 @@ def test_payloads_are_elements_times_their_bytes_for_any_element_size(ex):
 
 @pytest.mark.task8_6
 def test_a_group_without_parameters_issues_nothing(ex):
+    """A group without parameters issues nothing, not a collective of 0 bytes: units without
+    parameters, and a root whose parameters all belong to units; against FSDP2 in a fake world."""
     assert_same(ex, "a unit without parameters issues no collective (not one of 0 bytes)",
                 [], [[], [(2, 2)], []], 2)
     assert_same(ex, "a root whose parameters all belong to units issues no collective",
@@ -208,6 +227,9 @@ def test_a_group_without_parameters_issues_nothing(ex):
 
 @pytest.mark.task8_6
 def test_fsdp_step_collectives_refuses_what_cannot_be_sharded(ex):
+    """`fsdp_step_collectives` raises ValueError for what cannot be sharded: a world of 1 or 0
+    ranks, a parameter with no dimension, a dimension of 0 or a negative one, param_bytes or
+    reduce_bytes 0."""
     for arguments, why in [
         (([(4,)], [], 1), "world_size 1: one rank shards nothing"),
         (([(4,)], [], 0), "world_size 0"),
@@ -231,6 +253,12 @@ shapes = st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
        precision=st.sampled_from(sorted(PRECISIONS)), reshard_after_forward=st.booleans())
 def test_fsdp_step_collectives_agrees_with_fsdp2_in_a_fake_world(ex, root, units, world_size,
                                                                  precision, reshard_after_forward):
+    """`fsdp_step_collectives` names the collectives FSDP2 issues, counted as torch dispatches them
+    in its fake process group, on 40 generated models: 0 to 3 units and a root of up to 3
+    parameters, 2 to 9, 16, 100 or 128 ranks, fp32, bf16 or bf16 with fp32 reduction, either reshard
+    setting.
+
+    Each parameter has 1 to 3 dimensions of 1 to 9."""
     assert_same(ex, "not what FSDP2 issues for this model", root, units, world_size, precision,
                 reshard_after_forward)
 
@@ -252,6 +280,9 @@ def one_real_step(ctx, root, units) -> tuple[list, list]:
 
 @pytest.mark.task8_6
 def test_a_real_two_rank_run_issues_the_predicted_collectives(ex):
+    """A real FSDP2 step on 2 gloo ranks issues what the fake world and the formula say: on each
+    rank the dispatch counter equals the Python-level counter of lessons 05 and 06 and the fake
+    world's step, and `fsdp_step_collectives` predicts the same."""
     raise_if_untouched(ex.fsdp_step_collectives)
     root, units = [(5, 3), (2,)], [[(4, 4), (3,)], [(7,)], []]
     fake = oracle(root, units, 2)

@@ -53,6 +53,8 @@ from lesson08.common import (
 
 
 def test_the_readme_table_covers_every_method_and_an_error():
+    """The README's decision table, which task8_4 grades against, has a row for one device, ddp,
+    fsdp, tp+fsdp and pp+fsdp, and one where nothing fits."""
     methods = {case["method"] for case in readme_cases()}
     assert methods >= {"one device", "ddp", "fsdp", "tp+fsdp", "pp+fsdp", "error"}, methods
 
@@ -60,12 +62,12 @@ def test_the_readme_table_covers_every_method_and_an_error():
 # ----------------------------------------------------------------------------- the hints
 
 # task8_1's hint, sentence by sentence, and the line of fit_as_the_hint_says that follows each.
-FIT_HINT = ("Weight each point by w = 1 / t²",
-            "n̄ = Σ w n / Σ w and t̄ = Σ w t / Σ w",
-            "b = Σ w (n − n̄)(t − t̄) / Σ w (n − n̄)²",
-            "the intercept a = t̄ − b n̄",
-            "The intercept is the 2 (W − 1) α of the formula, and the slope is its "
-            "2 (W − 1) / W · β")
+FIT_HINT = (r"Weight each point by $w = 1/t^2$",
+            r"$\bar n = \sum w n / \sum w$ and $\bar t = \sum w t / \sum w$",
+            r"$b = \frac{\sum w (n - \bar n)(t - \bar t)}{\sum w (n - \bar n)^2}$",
+            r"the intercept $a = \bar t - b \bar n$",
+            r"The intercept is the $2(W-1)\alpha$ of the formula, and the slope is its "
+            r"$\frac{2(W-1)}{W}\beta$")
 
 
 def fit_as_the_hint_says(sizes, seconds, world: int) -> tuple[float, float]:
@@ -103,6 +105,9 @@ def test_a_learner_who_follows_the_fit_hint_gets_the_graders_line():
 
 @pytest.mark.slow
 def test_collective_benchmark_writes_every_op_and_size(launches):
+    """bench_collectives.py on 2 ranks at 1, 4 and 16 KiB writes a CSV row of every column for each
+    op and size: positive times on 2 ranks, a prediction for the all-reduces only, a nonzero fitted
+    beta; and an SVG plot where matplotlib is installed."""
     run = launches["bench"].result()
     with open(launches["folder"] / "c.csv") as handle:
         rows = list(csv.DictReader(handle))
@@ -123,6 +128,12 @@ def test_collective_benchmark_writes_every_op_and_size(launches):
 
 @pytest.mark.slow
 def test_ddp_costs_predicts_and_measures_every_setting(launches):
+    """ddp_costs.py at a tiny size on 2 ranks predicts and measures the default buckets,
+    gradient_as_bucket_view and the bf16 hook; with bucket views there is one gradient storage per
+    bucket, without them more than 2; its profiler trace is written and holds an all-reduce.
+
+    At this size the fit is mostly noise: a prediction must exist and be finite, its sign is not
+    asserted."""
     data = launches["costs"].result().data
     settings = data["settings"]  # the default, gradient_as_bucket_view and the bf16 hook
     assert list(settings) == ["default buckets (25 MiB)", "gradient_as_bucket_view",
@@ -140,6 +151,8 @@ def test_ddp_costs_predicts_and_measures_every_setting(launches):
 
 
 def test_benchmark_refuses_one_rank(outside_launcher, capsys):
+    """bench_collectives.py run without a launcher, on one rank, exits with 2 and says to start it
+    with `torchrun --nproc-per-node=2`."""
     bench = load_lesson_module(LESSON, "bench_collectives")
     assert bench.main(["--max-bytes", "1024"]) == 2
     assert "torchrun --nproc-per-node=2" in capsys.readouterr().err
@@ -147,6 +160,9 @@ def test_benchmark_refuses_one_rank(outside_launcher, capsys):
 
 def test_read_trace_reads_a_trace_file_and_names_what_it_cannot_read(outside_launcher,
                                                                      tmp_path, capsys):
+    """read_trace.py refuses one rank; `--read` of a 3-event trace prints its step (0.9 ms, no data,
+    backward 0.3, communication 0.4 of which 0.3 exposed), and names a step the trace lacks and a
+    file it cannot read, exiting with 2."""
     script = load_lesson_module(LESSON, "read_trace")
     assert script.main([]) == 2, "one rank: DDP sends nothing"
     assert "--nproc-per-node=2" in capsys.readouterr().err
@@ -168,6 +184,8 @@ def test_read_trace_reads_a_trace_file_and_names_what_it_cannot_read(outside_lau
 
 def test_input_pipeline_loads_slowly_what_the_data_holds_and_refuses_one_rank(outside_launcher,
                                                                               capsys):
+    """input_pipeline.py's SlowToLoad gives back the samples it wraps, each after its load time (3
+    samples of 10 ms take at least 30 ms), and the script refuses one rank."""
     script = load_lesson_module(LESSON, "input_pipeline")
     data = [(torch.tensor([k]), torch.tensor([k + 1])) for k in range(3)]
     slow = script.SlowToLoad(data, 0.01)
@@ -179,8 +197,11 @@ def test_input_pipeline_loads_slowly_what_the_data_holds_and_refuses_one_rank(ou
 
 
 def test_the_scripts_prediction_is_the_lessons_formula():
-    """The script carries its own copy of the fit and the ring (a reader can copy the file):
-    it must be the formula the tasks grade."""
+    """bench_collectives.py's own fit and ring are the ones the tasks grade: its fit gives back the
+    alpha and beta of exact points on 4 ranks and equals the relative least squares on noisy ones,
+    and its all-reduce prediction is the ring's formula.
+
+    The script carries its own copy of them, so that a reader can copy the file alone."""
     bench = load_lesson_module(LESSON, "bench_collectives")
     seconds = [ring_seconds(n, 4, 7e-6, 1e-9) for n in SIZES]
     got = bench.fit_alpha_beta(SIZES, seconds, 4)
@@ -196,6 +217,8 @@ def test_the_scripts_prediction_is_the_lessons_formula():
 
 
 def test_ring_factors_of_the_script_are_the_texts():
+    """bench_collectives.py's ring factors are the text's, for each of the four ops on 2, 4 and 8
+    ranks."""
     bench = load_lesson_module(LESSON, "bench_collectives")
     for op, world in itertools.product(OPS, (2, 4, 8)):
         assert bench.RING_FACTOR[op](world) == pytest.approx(ring_factor(op, world)), op
@@ -203,6 +226,16 @@ def test_ring_factors_of_the_script_are_the_texts():
 
 @pytest.mark.slow
 def test_methods_side_by_side_ran_every_method_and_measured_what_they_send_and_keep(launches):
+    """compare_methods.py at a tiny size runs every method on 2 ranks: its bytes per step equal the
+    formulas worked out in the test, its state is within 2 % of 16 bytes per kept parameter, and a
+    step's peak moves as the text says. No number is compared with a clock.
+
+    The bytes: DDP 4P for P parameters, tensor parallel 4 L B T C x 4 (4 all-reduces of (B, T, C)
+    per block, L blocks), 1F1B and zero bubble B T C x 4, interleaved 1F1B 3 B T C x 4 on either
+    rank, FSDP between 8P and 12P and the same checkpointed, not resharded 8P within 2 %; the
+    script's own predictions equal what it sent. FSDP keeps under 0.6 of DDP's state. The peak:
+    lower checkpointed, higher not resharded by at most the blocks' parameters, higher on rank 0
+    interleaved, zero bubble's rank 0 within 3 % of 1F1B's and its last stage higher."""
     rows = launches["methods"].result().data
     with open(launches["folder"] / "m.csv") as handle:
         columns = next(csv.reader(handle))
@@ -264,6 +297,8 @@ def test_methods_side_by_side_ran_every_method_and_measured_what_they_send_and_k
 
 
 def test_compare_methods_refuses_to_run_under_torchrun(outside_launcher, monkeypatch, capsys):
+    """compare_methods.py refuses to run under torchrun (it starts torchrun itself): with RANK set
+    it exits with 2 and says to run it with plain python."""
     script = load_lesson_module(LESSON, "compare_methods")
     monkeypatch.setenv("RANK", "0")
     assert script.main([]) == 2
@@ -271,8 +306,9 @@ def test_compare_methods_refuses_to_run_under_torchrun(outside_launcher, monkeyp
 
 
 def test_compare_methods_refuses_blocks_its_pipelines_cannot_split(outside_launcher, capsys):
-    """Interleaved 1F1B on 2 ranks needs 4 stages; the other pipelines 2: checked before any
-    process starts, with the number to use."""
+    """compare_methods.py refuses a --blocks its pipelines cannot split, before any process starts,
+    naming the number to use: interleaved 1F1B on 2 ranks needs a multiple of 4 stages (6 refused),
+    the other pipelines a multiple of 2 (3 refused)."""
     script = load_lesson_module(LESSON, "compare_methods")
     assert script.main(["--blocks", "6"]) == 2
     assert "--blocks by 4" in capsys.readouterr().err
@@ -281,6 +317,7 @@ def test_compare_methods_refuses_blocks_its_pipelines_cannot_split(outside_launc
 
 
 def test_scaling_refuses_anything_but_two_ranks(outside_launcher, capsys):
+    """scaling.py run on one rank exits with 2 and says it needs exactly 2 ranks."""
     script = load_lesson_module(LESSON, "scaling")
     assert script.main(["--steps", "1"]) == 2
     assert "exactly 2 ranks" in capsys.readouterr().err
@@ -289,6 +326,7 @@ def test_scaling_refuses_anything_but_two_ranks(outside_launcher, capsys):
 @pytest.mark.slow
 @needs_gpus(2, "nccl, 2 ranks")
 def test_collective_benchmark_on_two_gpus_uses_nccl(tmp_path):
+    """bench_collectives.py on 2 GPUs runs on nccl and measures all four ops."""
     run = run_script(BENCH, "--max-bytes", "1048576", "--steps", "2", launcher="torchrun",
                      nproc=2)
     assert run.data["backend"] == "nccl", run.data["backend"]
@@ -298,6 +336,8 @@ def test_collective_benchmark_on_two_gpus_uses_nccl(tmp_path):
 @pytest.mark.slow
 @needs_gpus(2, "nccl, 2 ranks, and nn.DataParallel on 2 GPUs")
 def test_methods_side_by_side_on_two_gpus_include_dataparallel_and_peak_memory():
+    """compare_methods.py on 2 GPUs adds nn.DataParallel, runs DDP on cuda:0, and reports for every
+    row an allocator peak at least its training state."""
     rows = run_script(METHODS, *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()],
                       "--steps", "1", "--warmup", "1", timeout=300).data
     first = {row["method"]: row for row in rows if row["rank"] == 0}
@@ -325,8 +365,12 @@ def amp_fit(ctx, checkpoint: str) -> dict:
 
 def test_fp16_with_a_grad_scaler_under_ddp_trains_like_fp32_and_checkpoints_the_scaler(
         tmp_path):
-    """train_amp.py on 2 ranks x 8 in fp16 with bf16 gradients: the steps of one fp32 process
-    x 16 on the same batches (lesson 03's script), within AMP_STEPS."""
+    """train_amp.py in fp16 with a GradScaler and bf16 gradients trains like fp32 and checkpoints
+    the scaler: 2 gloo ranks x 8 against one fp32 process x 16 on the same batches (lesson 03's
+    script), losses within 1e-2 (+ 1 %), no step skipped, the scaler's state beside the model's.
+
+    64 windows, 16 a step: 4 steps, none skipped for an overflow, so the saved scale is still 2**16
+    and its growth tracker 4."""
     data = run_on_ranks(amp_fit, str(tmp_path / "amp.pt"), timeout=120)[0]
     reference = run_on_ranks(one_process_fit, 64, world_size=1, timeout=120)[0]["result"]
     assert (data["world_size"], data["fp16"], data["comm_hook"]) == (2, True, "bf16")
@@ -382,6 +426,9 @@ def real_gpt_step(ctx) -> list[tuple[str, int]]:
 
 
 def test_dry_run_plays_every_rank_and_predicts_the_step(outside_launcher):
+    """dry_run.py over 4 ranks of the tiny GPT prints every rank's shard as torch.chunk along the
+    first dimension cuts it, the padded embedding, and fsdp_step_collectives agreeing with its step;
+    its fake step issues what a real run on 2 gloo ranks does, counted in Python."""
     from collections import Counter
 
     import torch._dynamo  # noqa: F401  (imported once here, not in every child)
@@ -416,6 +463,8 @@ def test_dry_run_plays_every_rank_and_predicts_the_step(outside_launcher):
 
 
 def test_dry_run_refuses_a_launcher_and_a_world_of_one(outside_launcher, monkeypatch, capsys):
+    """dry_run.py refuses `--world 1` (FSDP shards over 2 or more ranks) and a launcher: with RANK
+    set it exits with 2 and says to run it with python, not torchrun."""
     script = load_lesson_module(LESSON, "dry_run")
     with pytest.raises(SystemExit):
         script.main(["--world", "1"])
