@@ -208,6 +208,10 @@ def tensors_equal(a, b) -> bool:
 
 @pytest.mark.task9_1
 def test_the_sampler_resumes_an_epoch_where_it_stopped(ex):
+    """`ResumableSampler.set_epoch(0, start)` yields `DistributedSampler`'s order without its first
+    `start` indices, and `len()` counts what is left, for starts 0, 4 and 11 on each of 2 ranks of
+    22 shuffled samples; `set_epoch(1)` gives the parent's whole epoch 1; a start of -1 or 12
+    raises a `ValueError` naming it."""
     data = list(range(22))  # 11 per rank: the parent pads, the resumed epoch keeps its order
     for rank in (0, 1):
         whole = list(DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=3))
@@ -239,8 +243,10 @@ def test_the_sampler_resumes_an_epoch_where_it_stopped(ex):
 @pytest.mark.task9_1
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_a_sampler_never_given_set_epoch_is_the_parents_epoch_0(ex, shuffle):
-    """A loop that starts without set_epoch (a first run, an evaluation pass) gets the parent's
-    epoch 0, whole."""
+    """A `ResumableSampler` never given `set_epoch` yields the parent's whole epoch 0, and `len()`
+    is the whole share: 2 ranks of 22 samples, shuffled and not.
+
+    A loop that starts without set_epoch: a first run, an evaluation pass."""
     data = list(range(22))
     for rank in (0, 1):
         options = dict(num_replicas=2, rank=rank, shuffle=shuffle, seed=3)
@@ -267,8 +273,9 @@ def test_a_sampler_never_given_set_epoch_is_the_parents_epoch_0(ex, shuffle):
        drop_last=st.booleans(), epoch=st.integers(0, 3), data=st.data(), max_examples=40)
 def test_the_sampler_resumes_any_epoch_of_any_split_where_it_stopped(ex, size, world, shuffle,
                                                                     drop_last, epoch, data):
-    """DistributedSampler is the oracle: any dataset size, world size, rank, shuffle and
-    drop_last, any epoch, started from any place in the rank's share."""
+    """`ResumableSampler` yields `DistributedSampler`'s order from any start in the rank's share,
+    and `len()` what is left, for generated dataset sizes (1 to 40), world sizes (1 to 5), ranks,
+    shuffle, drop_last and epochs (0 to 3)."""
     rank = data.draw(st.integers(0, world - 1), label="rank")
     options = dict(num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last)
     reference = DistributedSampler(list(range(size)), **options)
@@ -288,6 +295,14 @@ def test_the_sampler_resumes_any_epoch_of_any_split_where_it_stopped(ex, size, w
 
 @pytest.mark.task9_1
 def test_a_resumed_run_is_bitwise_equal_to_one_that_never_stopped(ex, tmp_path):
+    """A run stopped mid-epoch and resumed on fresh objects gets every piece back and trains
+    bitwise the run that never stopped: 2 gloo ranks, dropout, a step schedule, a `GradScaler`
+    whose scale doubles every step; saved after 5 steps, loaded under another global seed, 7 more
+    steps compared.
+
+    Each piece is compared with what the rank held when it saved: the position, the weights,
+    AdamW's state, the schedule, the scale, the rank's own torch generator (not rank 0's) and
+    Python's; no `.partial` directory is left."""
     raise_if_untouched(ex.ResumableSampler.set_epoch, ex.ResumableSampler.__iter__,
                        ex.save_training_state, ex.load_training_state)
     ranks = run_on_ranks(resume_on_rank, str(ex.__file__), str(tmp_path), world_size=2)
@@ -389,6 +404,9 @@ def crash_on_rank(ctx, ex_path: str, folder: str) -> dict:
 
 @pytest.mark.task9_1
 def test_a_crash_during_a_save_leaves_the_last_checkpoint_whole(ex, tmp_path):
+    """A save whose `torch.save` writes half the file and raises leaves no `step-00000003` and step
+    2's checkpoint loadable; the next save of step 3 works over its leftovers; a checkpoint of 2
+    ranks loaded by 1 raises `ValueError` naming both. On 1 gloo rank."""
     raise_if_untouched(ex.ResumableSampler.set_epoch, ex.ResumableSampler.__iter__,
                        ex.save_training_state, ex.load_training_state)
     got = run_on_ranks(crash_on_rank, str(ex.__file__), str(tmp_path), world_size=1)[0]
@@ -438,6 +456,9 @@ def load_onto_meta_on_rank(ctx, ex_path: str, folder: str) -> dict:
 
 @pytest.mark.task9_1
 def test_the_generators_come_back_whatever_device_the_tensors_load_onto(ex, tmp_path):
+    """Loaded with `map_location="meta"` into a model on the meta device, a checkpoint still gives
+    each of 2 gloo ranks its own torch and Python generators back, as a GPU rank loading onto
+    cuda:k needs."""
     raise_if_untouched(ex.save_training_state, ex.load_training_state)
     for rank, got in enumerate(run_on_ranks(load_onto_meta_on_rank, str(ex.__file__),
                                             str(tmp_path), world_size=2)):
@@ -507,6 +528,9 @@ def save_over_on_rank(ctx, ex_path: str, folder: str) -> dict:
 
 @pytest.mark.task9_1
 def test_a_save_replaces_a_copy_of_its_step_left_by_an_earlier_attempt(ex, tmp_path):
+    """Saving `step-00000003` where a copy of it lies, first one cut short, then a whole older one,
+    works both times: the folder then holds `step-00000003` alone, and it loads at the run's newest
+    step. On 1 gloo rank."""
     raise_if_untouched(ex.save_training_state, ex.load_training_state)
     got = run_on_ranks(save_over_on_rank, str(ex.__file__), str(tmp_path), world_size=1)[0]
     for kind, outcome in got["outcomes"].items():
@@ -526,6 +550,9 @@ def test_a_save_replaces_a_copy_of_its_step_left_by_an_earlier_attempt(ex, tmp_p
 @pytest.mark.task9_1
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
 def test_a_save_reaches_the_disk_before_and_after_its_rename(ex, tmp_path):
+    """A save fsyncs `train.pt`, then its `.partial` directory, before the rename onto the final
+    name, and the checkpoints folder after it: every `os.fsync`, `os.replace` and `os.rename` of
+    the save recorded, in order, on 1 gloo rank (Linux: read through `/proc/self/fd`)."""
     raise_if_untouched(ex.save_training_state, ex.load_training_state)
     got = run_on_ranks(save_over_on_rank, str(ex.__file__), str(tmp_path), world_size=1)[0]
     assert got["outcomes"]["broken"] is None, f"the save failed: {got['outcomes']['broken']}"
@@ -590,6 +617,8 @@ def save_leftover_on_rank(ctx, ex_path: str, folder: str, scenario: str) -> dict
 
 @pytest.mark.task9_1
 def test_a_save_takes_its_path_as_a_str_too(ex, tmp_path):
+    """`save_training_state` given its path as a `str` saves as with a `Path`: `step-00000001`
+    alone in the folder, loading at the run's step. On 1 gloo rank."""
     raise_if_untouched(ex.save_training_state, ex.load_training_state)
     got = run_on_ranks(save_leftover_on_rank, str(ex.__file__), str(tmp_path), "str",
                        world_size=1)[0]
@@ -603,6 +632,9 @@ def test_a_save_takes_its_path_as_a_str_too(ex, tmp_path):
 
 @pytest.mark.task9_1
 def test_a_save_removes_the_old_copy_a_crash_left_aside(ex, tmp_path):
+    """Saving step 2 again where a crash left `step-00000002.old` beside it (between renaming the
+    old copy aside and removing it) works: `step-00000002` alone is left, and it loads at the newer
+    step. On 1 gloo rank."""
     raise_if_untouched(ex.save_training_state, ex.load_training_state)
     got = run_on_ranks(save_leftover_on_rank, str(ex.__file__), str(tmp_path), "old",
                        world_size=1)[0]
@@ -683,6 +715,9 @@ def save_and_load_on_rank(ctx, ex_path: str, folder: str) -> dict:
 
 @pytest.mark.task9_1
 def test_no_rank_returns_from_a_save_before_the_checkpoint_is_there(ex, tmp_path):
+    """No rank returns from `save_training_state` before `train.pt` is a whole zip archive: on 2
+    gloo ranks, with rank 0 held up 0.5 s in its `torch.save`, each rank looks as soon as the call
+    returns."""
     raise_if_untouched(ex.save_training_state, ex.load_training_state)
     ranks = run_on_ranks(save_and_load_on_rank, str(ex.__file__), str(tmp_path), world_size=2)
     assert ranks[0]["there"], "rank 0's save_training_state returned before train.pt was whole"
@@ -695,6 +730,9 @@ def test_no_rank_returns_from_a_save_before_the_checkpoint_is_there(ex, tmp_path
 
 @pytest.mark.task9_1
 def test_the_file_holds_the_layout_of_the_text(ex, tmp_path):
+    """`train.pt` holds exactly the layout the text gives, the model's, optimizer's, scheduler's
+    and scaler's state dicts, the position as given and a list of the 2 ranks' generators: read
+    back as rank 0 wrote it, on 2 gloo ranks."""
     raise_if_untouched(ex.save_training_state, ex.load_training_state)
     written = run_on_ranks(save_and_load_on_rank, str(ex.__file__), str(tmp_path),
                            world_size=2)[0]["written"]
@@ -712,6 +750,8 @@ def test_the_file_holds_the_layout_of_the_text(ex, tmp_path):
 
 @pytest.mark.task9_1
 def test_every_rank_loads_with_the_map_location_it_is_given(ex, tmp_path):
+    """`load_training_state(..., "meta")` succeeds on each of 2 gloo ranks and passes
+    `map_location="meta"` to every `torch.load` it calls (each call recorded)."""
     raise_if_untouched(ex.save_training_state, ex.load_training_state)
     ranks = run_on_ranks(save_and_load_on_rank, str(ex.__file__), str(tmp_path), world_size=2)
     for rank, got in enumerate(ranks):

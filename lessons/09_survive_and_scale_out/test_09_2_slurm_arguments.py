@@ -95,6 +95,9 @@ CLAUSES = {
 @pytest.mark.task9_2
 @pytest.mark.parametrize("nodelist", NODELISTS)
 def test_node_lists_expand_as_slurm_does(ex, nodelist):
+    """`expand_nodelist` gives the hosts of each of 8 compressed node lists written out by hand:
+    numbers and ranges in a bracket, a range keeping its width (`098`), several brackets in one
+    host, hosts after a bracket, a range of one number."""
     got = ex.expand_nodelist(nodelist)
     assert got == NODELISTS[nodelist], (
         f"expand_nodelist({nodelist!r}) gave {got}, expected {NODELISTS[nodelist]} (commas "
@@ -128,6 +131,9 @@ def compressed(host) -> tuple[str, list[str]]:
 @pytest.mark.task9_2
 @sweep(hosts=st.lists(HOST, min_size=1, max_size=4), max_examples=60)
 def test_any_compressed_node_list_expands_to_its_hosts(ex, hosts):
+    """`expand_nodelist` expands generated lists of 1 to 4 compressed hosts (text, then up to two
+    brackets of up to three numbers or zero-padded ranges) to every combination, in order, against
+    the hosts the generator built each list from."""
     parts = [compressed(host) for host in hosts]
     nodelist = ",".join(text for text, _ in parts)
     want = [name for _, names in parts for name in names]
@@ -141,6 +147,9 @@ def test_any_compressed_node_list_expands_to_its_hosts(ex, hosts):
 @pytest.mark.task9_2
 @pytest.mark.parametrize("nodelist", {**BAD_NODELISTS, **UNPAIRED_BRACKETS})
 def test_bad_node_lists_are_refused(ex, nodelist):
+    """`expand_nodelist` raises `ValueError` for every node list SLURM never writes in the lesson's
+    table: empty or blank, a backwards range, an empty host, letters, a sign or a space in a
+    bracket, an empty bracket, brackets that do not pair up."""
     what = {**BAD_NODELISTS, **UNPAIRED_BRACKETS}[nodelist]
     try:
         got = ex.expand_nodelist(nodelist)
@@ -159,6 +168,8 @@ def test_bad_node_lists_are_refused(ex, nodelist):
 @pytest.mark.task9_2
 @pytest.mark.parametrize("nodelist", UNPAIRED_BRACKETS)
 def test_brackets_that_do_not_pair_up_are_reported_as_such(ex, nodelist):
+    """For brackets that do not pair up (unclosed, a `]` first or second, nested),
+    `expand_nodelist`'s `ValueError` says "bracket"."""
     try:
         ex.expand_nodelist(nodelist)
     except ValueError as error:
@@ -177,6 +188,10 @@ def test_brackets_that_do_not_pair_up_are_reported_as_such(ex, nodelist):
 @pytest.mark.task9_2
 @pytest.mark.parametrize("case", ENVIRONMENTS)
 def test_slurm_environments_become_torchrun_arguments(ex, case):
+    """`slurm_to_torchrun` gives the five `torchrun` arguments, in order, for 5 emulated
+    environments: two nodes of four GPUs, the older variable names, `SLURM_GPUS_PER_NODE=h100:8`, a
+    `MASTER_PORT` set by the script, one task per node said only as `SLURM_TASKS_PER_NODE=1(x2)`.
+    """
     env, want = ENVIRONMENTS[case]
     got = ex.slurm_to_torchrun(env)
     hint = ""
@@ -189,6 +204,9 @@ def test_slurm_environments_become_torchrun_arguments(ex, case):
 
 @pytest.mark.task9_2
 def test_every_node_of_a_job_gets_the_same_arguments(ex):
+    """The 4 nodes of one job, each with its own host name, node id and task rank, get the same
+    arguments (the endpoint is the node list's first host); `nproc_per_node=2`, when given, is the
+    process count."""
     nodes = ex.expand_nodelist("node[01-04]")
     answers = {}
     for node_id, host in enumerate(nodes):
@@ -205,6 +223,7 @@ def test_every_node_of_a_job_gets_the_same_arguments(ex):
 
 @pytest.mark.task9_2
 def test_two_jobs_do_not_share_a_port(ex):
+    """Jobs 4242 and 4243 get different rendezvous ports: the port comes from `SLURM_JOB_ID`."""
     ports = {job: ex.slurm_to_torchrun({**JOB, "SLURM_JOB_ID": str(job)})[-1].rsplit(":", 1)[1]
              for job in (4242, 4243)}
     assert ports[4242] != ports[4243], (
@@ -214,7 +233,10 @@ def test_two_jobs_do_not_share_a_port(ex):
 
 @pytest.mark.task9_2
 def test_a_bare_gpus_per_node_count_is_the_gpu_count(ex):
-    """--gpus-per-node=4 sets SLURM_GPUS_PER_NODE to "4", --gpus-per-node=h100:4 to "h100:4"."""
+    """`SLURM_GPUS_PER_NODE=4`, a bare count, without `SLURM_GPUS_ON_NODE`, gives
+    `--nproc-per-node=4`, as `h100:4` would.
+
+    --gpus-per-node=4 sets SLURM_GPUS_PER_NODE to "4", --gpus-per-node=h100:4 to "h100:4"."""
     env = {**{k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"},
            "SLURM_GPUS_PER_NODE": "4"}
     try:
@@ -234,6 +256,8 @@ def test_a_bare_gpus_per_node_count_is_the_gpu_count(ex):
 @pytest.mark.task9_2
 @pytest.mark.parametrize("case", BOTH_NAMES)
 def test_the_new_name_of_a_variable_wins_over_the_old(ex, case):
+    """With both `SLURM_JOB_NODELIST` and `SLURM_NODELIST` set, or both `SLURM_JOB_NUM_NODES` and
+    `SLURM_NNODES`, the new name wins; with the new one empty, the old one is read."""
     env, want = BOTH_NAMES[case]
     try:
         got = ex.slurm_to_torchrun(env)
@@ -250,6 +274,9 @@ def test_the_new_name_of_a_variable_wins_over_the_old(ex, case):
 @pytest.mark.task9_2
 @pytest.mark.parametrize("case", BAD_ENVIRONMENTS)
 def test_a_broken_slurm_environment_names_the_variable(ex, case):
+    """Each of 9 broken environments raises a `ValueError` naming the variable at fault: no node
+    list, job id or GPU count, a node count other than the list's, more than one task on a node (as
+    a count or compressed), a task count not in SLURM's form."""
     variable, env = BAD_ENVIRONMENTS[case]
     try:
         got = ex.slurm_to_torchrun(env)

@@ -46,6 +46,9 @@ CLAUSES = {
 
 @pytest.mark.task9_3
 def test_resume_point_picks_the_newest_complete_checkpoint(ex, tmp_path):
+    """`resume_point` picks `step-100` among planted ones: a `.partial` directory, a step without
+    `train.pt`, one cut short, `latest`, `step-abc`, a file named `step-150`, and `step-99` touched
+    last; it returns `None` for a missing or empty folder, and when only broken ones are left."""
     assert ex.resume_point(tmp_path / "not-there-yet") is None, (
         "a folder that does not exist yet means a first run: return None")
     assert ex.resume_point(tmp_path) is None, "an empty folder has no checkpoint: return None"
@@ -87,9 +90,9 @@ ENTRY_KINDS = ("complete", "partial", "empty", "cut", "file", "other name")
                                   st.integers(0, 3)), max_size=8, unique_by=lambda e: e[0]),
        max_examples=20)
 def test_resume_point_finds_the_newest_complete_checkpoint_among_any(ex, entries):
-    """Any mix of complete checkpoints (their numbers zero-padded or not), .partial
-    directories, empty step directories, files cut short, files named like a step, and other
-    names; the oracle is the largest step number among the complete ones."""
+    """`resume_point` returns the complete checkpoint of the largest step number in generated
+    folders of up to 8 entries: complete ones (zero-padded or not), `.partial` directories, empty
+    step directories, files cut short, files named like a step, other names."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:

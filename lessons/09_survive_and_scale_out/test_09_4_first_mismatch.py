@@ -107,6 +107,8 @@ def grade(ex, records: dict, groups=None, *, expected, why: str) -> None:
 
 @pytest.mark.task9_4
 def test_first_mismatch_is_none_when_the_ranks_agree(ex):
+    """`first_mismatch` returns `None` for 3 ranks that recorded the same collectives in two
+    groups, and for 2 ranks that recorded nothing."""
     agreeing = [entry("0", 1), entry("1", 1, "gloo:broadcast"), entry("0", 2, sizes=([2, 2],))]
     grade(ex, {0: agreeing, 1: list(agreeing), 2: list(agreeing)}, expected=None,
           why="every rank recorded the same collectives under the same sequence ids")
@@ -115,6 +117,8 @@ def test_first_mismatch_is_none_when_the_ranks_agree(ex):
 
 @pytest.mark.task9_4
 def test_first_mismatch_compares_sequence_ids_not_positions(ex):
+    """Two ranks that issued the same collectives of two groups, interleaved in another order,
+    agree: `first_mismatch` matches sequence id with sequence id, not entry with entry."""
     records = {0: [entry("0", 1), entry("1", 1, "gloo:broadcast"), entry("0", 2)],
                1: [entry("1", 1, "gloo:broadcast"), entry("0", 1), entry("0", 2)]}
     grade(ex, records, expected=None,
@@ -125,6 +129,8 @@ def test_first_mismatch_compares_sequence_ids_not_positions(ex):
 
 @pytest.mark.task9_4
 def test_first_mismatch_compares_the_sizes_too(ex):
+    """An all-reduce of 4 elements on rank 0 and of 5 on rank 1 is a mismatch: `first_mismatch`
+    names collective 2 and both calls, their sizes as tuples."""
     records = {0: [entry("0", 1), entry("0", 2, sizes=([4],))],
                1: [entry("0", 1), entry("0", 2, sizes=([5],))]}
     grade(ex, records,
@@ -136,6 +142,8 @@ def test_first_mismatch_compares_the_sizes_too(ex):
 
 @pytest.mark.task9_4
 def test_first_mismatch_names_a_stuck_rank(ex):
+    """Of 3 ranks, the one whose only entry is collective 1 missed collective 2: `first_mismatch`
+    names id 2, with that rank's call `None`."""
     records = {0: [entry("0", 1), entry("0", 2), entry("0", 3)],
                1: [entry("0", 1), entry("0", 2), entry("0", 3)],
                2: [entry("0", 1)]}
@@ -148,6 +156,8 @@ def test_first_mismatch_names_a_stuck_rank(ex):
 
 @pytest.mark.task9_4
 def test_first_mismatch_treats_dropped_entries_as_unknown(ex):
+    """A rank whose buffer kept only collectives 4 and 5 agrees with two ranks holding 1 to 5; when
+    those two differ at collective 3, it is left out of the calls, unknown, not missed."""
     full = [entry("0", seq, OPS[seq % 2]) for seq in range(1, 6)]
     records = {0: full, 1: full[3:], 2: list(full)}  # rank 1 kept only its 2 newest entries
     grade(ex, records, expected=None,
@@ -163,6 +173,8 @@ def test_first_mismatch_treats_dropped_entries_as_unknown(ex):
 
 @pytest.mark.task9_4
 def test_first_mismatch_takes_a_ranks_first_entry_under_an_id(ex):
+    """A rank with two entries under sequence id 2, an all-reduce then a broadcast, is compared by
+    its first: it agrees with a rank that issued the all-reduce."""
     records = {0: [entry("0", 1), entry("0", 2), entry("0", 2, "gloo:broadcast")],
                1: [entry("0", 1), entry("0", 2)]}
     grade(ex, records, expected=None,
@@ -172,6 +184,8 @@ def test_first_mismatch_takes_a_ranks_first_entry_under_an_id(ex):
 
 @pytest.mark.task9_4
 def test_first_mismatch_counts_a_member_without_records_as_missing_all(ex):
+    """A member of group `1` (named in `groups`) with no entry at all has missed the group's
+    collective 1: its call is `None`."""
     records = {0: [entry("0", 1), entry("1", 1)], 1: [entry("0", 1), entry("1", 1)]}
     grade(ex, records, {"0": [0, 1], "1": [0, 1, 2]},
           expected={"process_group": "1", "seq_id": 1, "calls": {0: call(), 1: call(), 2: None}},
@@ -183,6 +197,9 @@ def test_first_mismatch_counts_a_member_without_records_as_missing_all(ex):
 def test_first_mismatch_ignores_sends_and_receives(ex):
     # A pipeline's first exchange: rank 0 sends, rank 1 receives, before any collective (the
     # recorder numbers them with the collectives so far: 0).
+    """`first_mismatch` finds no mismatch between 2 ranks that differ only in a send and a receive
+    (named `nccl:send`, `nccl:recv`), before the first collective or between two, whatever their
+    `collective_seq_id`."""
     records = {0: [send(0, "send"), entry("0", 1), entry("0", 2)],
                1: [send(0, "recv"), entry("0", 1), entry("0", 2)]}
     number_sends(records)
@@ -199,6 +216,9 @@ def test_first_mismatch_ignores_sends_and_receives(ex):
 
 @pytest.mark.task9_4
 def test_first_mismatch_counts_only_a_groups_members(ex):
+    """With `groups` giving group `1` ranks 0 and 1, a rank 2 without its collectives is no
+    mismatch; with `groups` silent on group `1`, its members are every rank of the records, and
+    rank 2 missed collective 1."""
     records = {0: [entry("0", 1), entry("1", 1), entry("1", 2)],
                1: [entry("0", 1), entry("1", 1), entry("1", 2)],
                2: [entry("0", 1)]}
@@ -213,6 +233,8 @@ def test_first_mismatch_counts_only_a_groups_members(ex):
 
 @pytest.mark.task9_4
 def test_first_mismatch_takes_the_smallest_sequence_id_then_the_group_name(ex):
+    """Of two groups that disagree, `first_mismatch` reports the smaller sequence id, and at the
+    same id the group whose name sorts first as a string (`10` before `9`)."""
     records = {0: [entry("1", 1), entry("1", 2, "gloo:broadcast"), entry("0", 1),
                    entry("0", 2, "gloo:broadcast"), entry("0", 3, "gloo:broadcast")],
                1: [entry("1", 1), entry("1", 2), entry("0", 1), entry("0", 2), entry("0", 3)]}
@@ -312,6 +334,9 @@ def planted(draw):
 @pytest.mark.task9_4
 @sweep(case=planted(), max_examples=80)
 def test_first_mismatch_finds_the_planted_divergence(ex, case):
+    """`first_mismatch` finds the one divergence planted in generated records of 2 to 5 ranks
+    (members that miss a collective, another operation, other sizes), with a subgroup, sends and
+    receives and dropped oldest entries; the answer is known by construction."""
     records, groups, expected, kind = case
     planted_as = {"missed": "members that missed it", "op": "a different operation",
                   "sizes": "different sizes"}[kind]
@@ -347,6 +372,11 @@ def recording_on_rank(ctx) -> dict:
 
 @pytest.mark.task9_4
 def test_first_mismatch_reads_a_real_recording_of_gloo_ranks(ex):
+    """On a real recording of 2 gloo ranks, a subgroup's all-reduce and broadcast on both, then a
+    third all-reduce on rank 0 alone (timed out after 1 s), `first_mismatch` names sequence id 3,
+    rank 1's call `None`.
+
+    Skipped on a torch whose flight recorder records nothing by default."""
     raise_if_untouched(ex.first_mismatch)  # not attempted: no ranks
     results = run_on_ranks(recording_on_rank, timeout=30)
     group = results[0]["group"]

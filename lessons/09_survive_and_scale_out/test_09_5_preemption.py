@@ -159,6 +159,13 @@ deliveries_strategy = st.integers(2, 4).flatmap(lambda world: st.lists(
 # dozens of them.
 @sweep(max_examples=30, shrink=False, deliveries=deliveries_strategy)
 def test_every_rank_stops_at_the_first_boundary_after_any_rank_is_signalled(ex, deliveries):
+    """Sent up to 2 generated SIGTERMs or SIGUSR1s a rank before any of 6 step boundaries, on 2
+    to 4 gloo ranks, `Preemption` stops every rank from the first boundary after the first
+    delivery, with the largest of the ranks' first signals and 128 plus it, by a brute-force
+    count; one all-reduce of at most 8 bytes a boundary.
+
+    No signal reaches the handlers that were there before, and they are back after the block.
+    """
     raise_if_untouched(ex.Preemption.__enter__, ex.Preemption.__exit__, ex.Preemption.requested)
     world = len(deliveries)
     try:
@@ -174,6 +181,8 @@ def test_every_rank_stops_at_the_first_boundary_after_any_rank_is_signalled(ex, 
 
 @pytest.mark.task9_5
 def test_a_subgroup_agrees_among_its_members_only(ex):
+    """On 3 gloo ranks, `requested(group=...)` on a subgroup of ranks 0 and 2 stops its members as
+    a brute-force count says, and a signal to rank 1 alone, outside it, stops neither."""
     raise_if_untouched(ex.Preemption.__enter__, ex.Preemption.__exit__, ex.Preemption.requested)
     members = [0, 2]
     # Rank 1 is outside the group and is signalled first: the group must not hear of it.
@@ -281,6 +290,9 @@ def in_its_own_process(ex, body: str) -> dict:
 
 @pytest.mark.task9_5
 def test_preemption_records_the_first_signal_and_does_nothing_else(ex):
+    """Sent SIGUSR1 then SIGTERM in the block, the process lives on: `requested()` says `False`
+    (signal and exit code 0) before, then `True` with SIGUSR1 and 138, the first signal, not the
+    last. In a process of its own, a gloo group of one."""
     raise_if_untouched(ex.Preemption.__enter__, ex.Preemption.__exit__, ex.Preemption.requested)
     seen = in_its_own_process(ex, "first signal")
     assert seen["before"] == (False, 0, 0), (
@@ -296,6 +308,8 @@ def test_preemption_records_the_first_signal_and_does_nothing_else(ex):
 
 @pytest.mark.task9_5
 def test_preemption_catches_the_signals_it_is_given_and_no_others(ex):
+    """`Preemption(signals=(SIGUSR2,))` leaves SIGTERM to the handler that was there (`requested()`
+    says `False`) and catches SIGUSR2. In a process of its own."""
     raise_if_untouched(ex.Preemption.__enter__, ex.Preemption.__exit__, ex.Preemption.requested)
     seen = in_its_own_process(ex, "which signals")
     assert seen["escaped"] == [int(signal.SIGTERM)] and not seen["caught_other"], (
@@ -307,6 +321,8 @@ def test_preemption_catches_the_signals_it_is_given_and_no_others(ex):
 
 @pytest.mark.task9_5
 def test_preemption_puts_the_old_handlers_back_even_after_an_error(ex):
+    """A `with Preemption()` block that raises `KeyError` still puts back the SIGTERM and SIGUSR1
+    handlers that were there before. In a process of its own."""
     raise_if_untouched(ex.Preemption.__enter__, ex.Preemption.__exit__)
     restored = in_its_own_process(ex, "after an error")
     assert all(restored.values()), (
@@ -316,6 +332,8 @@ def test_preemption_puts_the_old_handlers_back_even_after_an_error(ex):
 
 @pytest.mark.task9_5
 def test_preemption_refuses_a_thread_that_is_not_the_main_one(ex):
+    """Entered in a thread other than the main one, `Preemption` raises a `RuntimeError` that says
+    "main thread". In a process of its own."""
     raise_if_untouched(ex.Preemption.__enter__)
     seen = in_its_own_process(ex, "thread")
     assert "error" in seen and "main thread" in seen["error"], (
@@ -341,6 +359,8 @@ def agree_over_nccl_on_rank(ctx, ex_path: str) -> dict:
 @pytest.mark.task9_5
 @needs_gpus(1, "nccl all-reduces CUDA tensors only: requested(device=...) on a GPU")
 def test_on_a_gpu_preemption_agrees_over_nccl(ex):
+    """On 1 nccl rank, `requested(device=...)` with the rank's CUDA device says `False`, then
+    `True` after a SIGTERM, with exit code 143."""
     raise_if_untouched(ex.Preemption.__enter__, ex.Preemption.requested)
     got = run_on_ranks(agree_over_nccl_on_rank, str(ex.__file__), world_size=1, backend="nccl",
                        device="cuda")[0]

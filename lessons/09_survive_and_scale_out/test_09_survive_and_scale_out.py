@@ -2,7 +2,8 @@
 claims of torch.
 
 The tasks are graded in test_09_1_exact_resume.py (task9_1), test_09_2_slurm_arguments.py
-(task9_2) and test_09_3_resume_point.py (task9_3). Checked here, on gloo/CPU ranks:
+(task9_2), test_09_3_resume_point.py (task9_3), test_09_4_first_mismatch.py (task9_4) and
+test_09_5_preemption.py (task9_5). Checked here, on gloo/CPU ranks:
 - slurm_args.py, the batch script's own copy of task9_2's mapping, follows the same tables;
 - an FSDP2 checkpoint written by 4 ranks with torch.distributed.checkpoint loads on 2 and goes
   on as one process would;
@@ -72,8 +73,11 @@ from lesson09.common import (
 
 
 def test_slurm_args_py_follows_the_same_table(outside_launcher, capsys):
-    """The script the batch file runs carries its own copy of the mapping (it must run on a
-    cluster's node alone): the same table grades it, and its errors end in a clear exit."""
+    """`slurm_args.py`, the batch script's own copy of task9_2's mapping, gives the answers of
+    task9_2's tables (node lists good and bad, environments good and broken), prints the
+    arguments, and exits with 2 saying "SLURM_JOB_ID is not set" without one.
+
+    The script carries its own copy because it must run on a cluster's node alone."""
     script = load_lesson_module(LESSON, "slurm_args")
     for nodelist, hosts in NODELISTS.items():
         assert script.expand_nodelist(nodelist) == hosts, nodelist
@@ -105,6 +109,9 @@ def script_fit_on_rank(ctx, name: str, folder: str | None, **options) -> dict:
 
 
 def test_train_checkpoint_resumes_from_an_epoch_bitwise(tmp_path):
+    """`train_checkpoint.py` saves after each of 2 epochs of 2 steps and, with the last checkpoint
+    removed, resumes from epoch 1's: bitwise the same weights and the same epoch-2 loss as the run
+    that never stopped. `fit` on 2 pooled gloo ranks, dropout 0.1."""
     whole = run_on_ranks(script_fit_on_rank, "train_checkpoint", str(tmp_path), world_size=2)
     saved = sorted(p.name for p in tmp_path.iterdir())
     assert saved == ["step-00000002", "step-00000004"], saved  # 2 steps an epoch, 2 epochs
@@ -115,6 +122,9 @@ def test_train_checkpoint_resumes_from_an_epoch_bitwise(tmp_path):
 
 
 def test_train_resilient_resumes_mid_epoch_bitwise(tmp_path):
+    """`train_resilient.py --save-every 3` saves at steps 3 and 6 of 2 epochs of 4 and, with step
+    6's removed, resumes at step 3, mid-epoch: bitwise the same weights as the run that never
+    stopped. `fit` on 2 pooled gloo ranks, dropout 0.1."""
     whole = run_on_ranks(script_fit_on_rank, "train_resilient", str(tmp_path), world_size=2,
                          batch_size=4, save_every=3)
     saved = sorted(p.name for p in tmp_path.iterdir())
@@ -143,6 +153,9 @@ def state_onto_meta_on_rank(ctx, folder: str) -> dict:
 
 
 def test_the_scripts_restore_generators_whatever_device_the_tensors_load_onto(tmp_path):
+    """The scripts' `training_state.load` onto the meta device, as a GPU rank loads onto cuda:k,
+    gives each of 2 gloo ranks its own generator back and the position; a step saved twice, as
+    after a restart, is replaced, not doubled."""
     for rank, got in enumerate(run_on_ranks(state_onto_meta_on_rank, str(tmp_path),
                                             world_size=2)):
         assert got["restored"], f"rank {rank}: training_state.load did not restore its generator"
@@ -160,6 +173,10 @@ def uninterrupted() -> str:
 @pytest.mark.slow  # a torchrun launch
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(launches, uninterrupted):
+    """Under `torchrun --max-restarts=1`, rank 1 of 2 killed with `SIGKILL` after step 5 is
+    restarted: the agent stops rank 0 with SIGTERM, starts both again
+    (`TORCHELASTIC_RESTART_COUNT=1`), they resume from step 3 and end with the weights of 2 pooled
+    ranks that never stopped. gloo."""
     run = launches["runs"]["restart"].result()
     assert "killing itself after step 5" in run.output
     # The agent's decisions, at LOGLEVEL=INFO (torchrun shows warnings and errors otherwise).
@@ -176,6 +193,8 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_exactly(launches, u
 @pytest.mark.slow  # a torchrun launch
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
+    """With no restart left, `torchrun` of one process killed with `SIGKILL` after step 5 fails,
+    naming rank 0 and `Signal 9 (SIGKILL)`; `step-00000003` is there to resume from by hand."""
     run = launches["runs"]["no-restart"].result()
     assert run.returncode != 0
     assert "killing itself after step 5" in run.output
@@ -188,6 +207,9 @@ def test_without_restarts_left_torchrun_names_the_dead_rank(launches):
 @pytest.mark.slow  # the batch job, twice
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_a_slurm_job_of_two_nodes_gives_each_rank_its_place(launches):
+    """`slurm/train.sbatch` under the stand-ins for `sbatch` and `srun` (two emulated nodes, a
+    `torchrun` of one process each) forms one group in both attempts of the job: `RANK` 0 and 1,
+    `GROUP_RANK` 0 and 1, `LOCAL_RANK` 0 on both, `WORLD_SIZE` 2."""
     run = launches["runs"]["two nodes"].result()
     first, _, again = run.output.partition("sbatch (stand-in): job 4242 starts again")
     for attempt in (first, again):
@@ -201,11 +223,14 @@ def test_a_slurm_job_of_two_nodes_gives_each_rank_its_place(launches):
 @pytest.mark.slow  # the batch job, twice
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_a_job_signalled_before_its_time_limit_saves_requeues_and_resumes_exactly(launches):
-    """SIGUSR1 to the batch shell (--signal=B:USR1@90) -> SIGUSR1 to srun, which forwards it to
-    every process of the step (each node's torchrun and its ranks) -> torchrun, told to handle
-    it, sends it on: the ranks stop at one step boundary, save it, exit with 138; the job is
-    requeued, and the batch script, started again, resumes there and trains what one node of
-    two processes that never stopped trains."""
+    """`slurm/train.sbatch` on two emulated nodes, its batch shell sent SIGUSR1 once step 3 is
+    saved: both ranks stop after one same later step, save it, exit with 138; the job requeues
+    itself, resumes from that step and ends bitwise with one node of two processes that never
+    stopped.
+
+    The signal's path: SIGUSR1 to the batch shell (--signal=B:USR1@90) -> SIGUSR1 to srun, which
+    forwards it to every process of the step (each node's torchrun and its ranks) -> torchrun,
+    told to handle it, sends it on; rank 0 says once where every rank stopped."""
     run = launches["runs"]["two nodes"].result()
     folder = launches["folders"]["two nodes"]
     stopped, _, again = run.output.partition("sbatch (stand-in): job 4242 starts again")
@@ -238,10 +263,13 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_and_resumes_exactl
 @pytest.mark.slow  # the batch job, once
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_a_trap_that_sends_srun_sigterm_loses_the_step_the_warning_was_for(launches):
-    """The recipe srun breaks: the warning passed on as SIGTERM to srun. srun does not forward
-    SIGTERM, it kills the step with SIGKILL ("forcing job termination": Slurm 24.05,
-    src/srun/srun_job.c, _srun_signal_mgr), and so does its stand-in: no rank saves the step it
-    is at, and the job loses every step since its last periodic checkpoint."""
+    """The batch script whose trap passes the warning on as SIGTERM to `srun` saves nothing at the
+    stop: the stand-in, as `srun`, kills the step ("forcing job termination", exit 137), and only
+    the periodic checkpoints (`--save-every 3`) are left.
+
+    srun does not forward SIGTERM, it kills the step with SIGKILL (Slurm 24.05,
+    src/srun/srun_job.c, _srun_signal_mgr), and so does its stand-in: the job loses every step
+    since its last periodic checkpoint."""
     run = launches["runs"]["sigterm to srun"].result()
     folder = launches["folders"]["sigterm to srun"]
     assert "SIGUSR1 to job 4243's batch shell" in run.output, run.output[-3000:]
@@ -302,10 +330,13 @@ def pids_in(report) -> list[int]:
 
 
 def test_the_srun_stand_in_forwards_usr1_to_every_process_and_kills_on_term(tmp_path):
-    """slurm/srun does what srun does (Slurm 24.05: src/srun/srun_job.c, _srun_signal_mgr;
-    slurmstepd signals the step's whole container, src/slurmd/slurmstepd/req.c,
-    _handle_signal_container): SIGUSR1 reaches every process of every node's task, its own
-    session's child too; SIGTERM and SIGHUP reach none of them: every process is SIGKILLed."""
+    """`slurm/srun` on 2 emulated nodes passes SIGUSR1 to every process of every node's task, a
+    child in a session of its own too; SIGTERM or SIGHUP reaches none of them: "forcing job
+    termination", exit 137, and no process of the step outlives it.
+
+    That is what srun does (Slurm 24.05: src/srun/srun_job.c, _srun_signal_mgr; slurmstepd
+    signals the step's whole container, src/slurmd/slurmstepd/req.c,
+    _handle_signal_container)."""
     for stop in (signal.SIGTERM, signal.SIGHUP):
         process, report = srun_stand_in(tmp_path / stop.name)
         try:
@@ -335,9 +366,12 @@ def test_the_srun_stand_in_forwards_usr1_to_every_process_and_kills_on_term(tmp_
 
 @pytest.mark.slow
 def test_the_batch_script_starts_one_torchrun_per_node_and_shares_out_the_cpus(tmp_path):
-    """The batch script as a cluster runs it, with stand-ins for srun and torchrun: what every
-    node's torchrun is given, the threads of each of its processes, and the CPUs its task may
-    use: srun of Slurm 22.05 and 23.02 (and its stand-in) does not read SLURM_CPUS_PER_TASK, so
+    """The batch script, with stand-ins for `srun` and `torchrun` on 2 emulated nodes, gives
+    each node's `torchrun` the job's arguments, `--max-restarts=2` and SIGUSR1 to handle, each
+    process `OMP_NUM_THREADS=4` (16 CPUs, 4 GPUs), and its task every CPU of
+    `--cpus-per-task` (up to this machine's).
+
+    The srun of Slurm 22.05 and 23.02 (and its stand-in) does not read SLURM_CPUS_PER_TASK, so
     the script must pass --cpus-per-task to srun itself."""
     fake = tmp_path / "torchrun"
     fake.write_text('#!/usr/bin/env bash\necho "node $SLURM_NODEID: '
@@ -388,8 +422,9 @@ def dcp_resume_on_rank(ctx, folder: str) -> dict:
 
 
 def test_a_sharded_checkpoint_of_4_ranks_resumes_on_2(tmp_path):
-    """torch.distributed.checkpoint: 4 ranks save their shards, 2 load them and go on; the
-    result is one process's 6 steps (fp32 tolerance: the sums are split differently)."""
+    """An FSDP2 checkpoint saved with DCP by 4 gloo ranks (`.metadata` and a file per rank) loads
+    on 2 with every tensor bitwise as saved; after 3 more steps they equal one process's 6 steps
+    to fp32 tolerance (the sums are split differently)."""
     saved = run_on_ranks(dcp_save_on_rank, str(tmp_path), world_size=4)[0]["whole"]
     files = sorted(p.name for p in (tmp_path / "step-00000003").iterdir())
     assert files == [".metadata"] + [f"__{rank}_0.distcp" for rank in range(4)], files
@@ -432,10 +467,12 @@ def dcp_keep_on_rank(ctx, folder: str, asynchronous: bool) -> dict:
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["dcp.save", "dcp.async_save"])
 def test_the_newest_k_checkpoints_are_kept_and_a_save_holds_the_step_it_was_asked_at(
         tmp_path, asynchronous):
-    """sharded_checkpoint.Checkpoints: --keep 2 leaves the newest two whole checkpoints; with
-    dcp.async_save, what it writes is the model of the step it was asked at, though every
-    parameter changed in place as soon as the call returned and training went on (with
-    dcp.save the same check is the control: that save is whole before the call returns)."""
+    """`sharded_checkpoint.Checkpoints(keep=2)` after saves of steps 1, 2 and 3 leaves steps 2
+    and 3 alone; step 3 holds the model it was asked for, bitwise, though every parameter changed
+    in place as the call returned and two more steps trained. On 2 gloo ranks (FSDP2), with
+    `dcp.save` and `dcp.async_save`.
+
+    With dcp.save the same check is the control: that save is whole before the call returns."""
     ranks = run_on_ranks(dcp_keep_on_rank, str(tmp_path), asynchronous, world_size=2)
     got = ranks[0]
     assert got["kept"] == got["on"] == ["step-00000002", "step-00000003"], (
@@ -451,11 +488,13 @@ def test_the_newest_k_checkpoints_are_kept_and_a_save_holds_the_step_it_was_aske
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # waits on a background launch
 def test_an_elastic_job_that_loses_a_node_goes_on_as_a_smaller_job_from_its_checkpoint(
         launches):
-    """torchrun --nnodes=1:2 --max-restarts=1: node 1 (its agent and its process) is killed
-    after step 5; node 0's rank fails in its next collective, its agent restarts it, the
-    rendezvous completes without the dead node, and the one rank resumes from step 4's
-    checkpoint of 2 ranks. It ends with the weights of a job started on 1 rank from that
-    checkpoint."""
+    """An elastic job (`--nnodes=1:2`, two agents of one gloo process) that loses node 1 after
+    step 5 (its agent and its process `SIGKILL`ed) goes on alone from step 4's checkpoint of 2
+    ranks, and ends bitwise with a job started on 1 rank from it (itself one process's run to
+    fp32 tolerance).
+
+    Node 0's rank fails in its next collective, its agent (`--max-restarts=1`) restarts it, and
+    the rendezvous completes without the dead node."""
     node0, node1 = launches["runs"]["elastic"]
     lost, survived = node1.result(), node0.result()
     assert lost.returncode == -signal.SIGKILL, f"node 1's torchrun was not killed: {lost.output}"
@@ -524,6 +563,9 @@ def hang_on_rank(ctx, bug: str, detail: bool = False, monitor: float | None = No
                                       ("shapes", ("TensorShape=[4]", "TensorShape=[5]")),
                                       ("skipped", ("ALLREDUCE",))])
 def test_distributed_debug_detail_names_the_mismatched_calls(bug, ops):
+    """Under `TORCH_DISTRIBUTED_DEBUG=DETAIL`, `find_a_hang.py`'s order, shapes and skipped bugs
+    raise "Detected mismatch between collectives on ranks" on both of 2 gloo ranks, rank 0's error
+    naming the calls; each on a group of its own with a 2-second timeout."""
     ranks = run_on_ranks(hang_on_rank, bug, detail=True, world_size=2)
     for rank, got in enumerate(ranks):
         assert got["error"] and "Detected mismatch between collectives on ranks" in got["error"], (
@@ -532,6 +574,9 @@ def test_distributed_debug_detail_names_the_mismatched_calls(bug, ops):
 
 
 def test_monitored_barrier_names_the_straggler_and_the_stacks_show_where_each_rank_is(tmp_path):
+    """With `find_a_hang.py`'s straggler on 2 gloo ranks, `monitored_barrier` (0.5 s) names rank 1,
+    and `faulthandler`'s watchdog stacks show rank 0 in `monitored_barrier` and rank 1 in
+    `load_batch`; on a group of its own with a 2-second timeout."""
     ranks = run_on_ranks(hang_on_rank, "straggler", monitor=0.5, dump_after=0.3,
                          folder=str(tmp_path), world_size=2)
     assert "Ranks 1 failed to pass monitoredBarrier in 500 ms" in (ranks[0]["error"] or ""), (
@@ -555,8 +600,8 @@ def monitored_barrier_on_rank(ctx, wait_all_ranks: bool | None) -> str:
 
 
 def test_monitored_barrier_names_the_first_missing_rank_unless_told_to_wait_for_all():
-    """09 README: monitored_barrier "names the first rank that did not come (every one with
-    wait_all_ranks=True)": 3 gloo ranks, ranks 1 and 2 missing."""
+    """`monitored_barrier` names the first rank that did not come, and every one with
+    `wait_all_ranks=True`: 3 gloo ranks, ranks 1 and 2 missing, a 0.5 s timeout."""
     first = run_on_ranks(monitored_barrier_on_rank, None, world_size=3)[0]
     assert "Rank 1 failed to pass monitoredBarrier" in first and "Rank 2" not in first, first
     every = run_on_ranks(monitored_barrier_on_rank, True, world_size=3)[0]
@@ -564,11 +609,12 @@ def test_monitored_barrier_names_the_first_missing_rank_unless_told_to_wait_for_
 
 
 def test_the_workers_meet_at_the_agents_store_unless_sharing_is_off(monkeypatch):
-    """09 README, a lost agent: the store the workers meet through "by default the agent of
-    GROUP_RANK 0 hosts it; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ... the worker of rank 0
-    does". The agent's side: the rendezvous shares its store unless the variable is 1; the
-    worker's: told the agent's store is there, rank 0 is a client (nothing to reach here),
-    told it is not, rank 0 starts the server that another process reaches."""
+    """The workers' store is the agent's unless `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, and then
+    rank 0's: the rendezvous shares its store unless the variable is 1; rank 0's worker, told the
+    agent's store is there, only connects, and otherwise starts the server a client reaches.
+
+    09 README, a lost agent: "by default the agent of GROUP_RANK 0 hosts it; with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ... the worker of rank 0 does"."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     from torch.distributed.rendezvous import _create_c10d_store
 
@@ -595,9 +641,12 @@ def test_the_workers_meet_at_the_agents_store_unless_sharing_is_off(monkeypatch)
 @pytest.mark.slow  # a torchrun launch
 @needs_gpus(1, "nccl and CUDA generators: train_resilient.py killed and restarted on a GPU")
 def test_on_a_gpu_a_killed_rank_is_restarted_and_resumes(tmp_path):
-    """One process per GPU (at most 2), nccl, dropout drawing from the CUDA generator: killed
-    after step 5, restarted, resumed from step 3. On a GPU the embedding's backward adds with
-    atomics (an order that varies), so the weights are compared within fp32 tolerance."""
+    """`train_resilient.py` under `torchrun --max-restarts=1`, one nccl process per GPU (at most
+    2), dropout drawing from the CUDA generator: killed after step 5, restarted, resumed from
+    step 3, it ends with the weights of a run that never stopped, to fp32 tolerance.
+
+    On a GPU the embedding's backward adds with atomics (an order that varies), hence the
+    tolerance."""
     gpus = min(2, torch.cuda.device_count())
     common = ("--epochs", "1", "--batch-size", "4", "--train-windows", "64", "--dropout", "0.1",
               "--save-every", "3", *QUICK_SAMPLE)
@@ -623,8 +672,11 @@ LAB_04 = "lessons/04_pitfalls/labs/04_device_from_rank.py"
 @pytest.mark.timeout(300)
 @needs_gpus(1, "two nodes of one process per GPU: RANK as the GPU index fails on node 1")
 def test_on_gpus_two_nodes_make_the_global_rank_a_gpu_this_machine_lacks():
-    """Lesson 04's pitfall 4 for real: two agents on this machine are two nodes of one process
-    per GPU, so node 1's ranks are G..2G-1, and cuda:RANK does not exist for any of them."""
+    """Lesson 04's lab as two nodes of one process per GPU on this machine: without `--fix`
+    exactly node 1's ranks (G to 2G-1) fail to use `cuda:RANK`; with it, every rank is on its
+    `cuda:LOCAL_RANK`.
+
+    Lesson 04's pitfall 4 for real: cuda:RANK does not exist for any of node 1's ranks."""
     gpus = torch.cuda.device_count()
     outcomes = {}
     for fix in (False, True):
@@ -647,6 +699,9 @@ def test_zip_archives_cut_short_do_not_open(tmp_path):
     # What resume_point relies on (asked of torch and zipfile, not assumed): torch.save writes
     # a zip archive whose index is at the end, so a file cut short is not one, and torch.load
     # refuses it.
+    """A `train.pt` cut short (by one byte, to half, to 10 bytes) is not a zip archive for
+    `zipfile.is_zipfile`, and `torch.load` refuses it: what `resume_point` relies on, asked of
+    both."""
     path = write_checkpoint(tmp_path, 1) / "train.pt"
     assert zipfile.is_zipfile(path)
     data = path.read_bytes()
