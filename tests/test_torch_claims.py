@@ -128,9 +128,9 @@ def older_than_2_14() -> bool:
 
 
 def test_default_process_group_timeouts():
-    """04 README, labs 5 and 14: "by default 30 minutes with gloo, 10 with NCCL when
-    `backend="nccl"` is named"; its settings: "`init_process_group(timeout=...)`: 10 minutes on
-    NCCL, 30 on gloo, by default"."""
+    """04 README, lab 5: "by default 30 minutes with gloo, 10 with NCCL when the backend is
+    `"nccl"`, named or taken from a CUDA `device_id`"; its watchdog: "by default 10 minutes when
+    the backend is `"nccl"`, 30 with gloo or a combined `"cpu:gloo,cuda:nccl"`"."""
     from torch.distributed.distributed_c10d import _get_default_timeout
 
     assert constants.default_pg_timeout == timedelta(minutes=30)
@@ -162,7 +162,7 @@ def group_timeouts_on_rank(ctx) -> dict:
 
 
 def test_a_device_mesh_subgroup_on_gloo_waits_30_minutes_whatever_the_default_group():
-    """11 README: "`init_device_mesh` would make the same groups, but on gloo they wait 30
+    """11 README: "`init_device_mesh` would make the same groups, but on gloo its subgroups wait 30
     minutes unless its `backend_override` hands each dimension options carrying a timeout
     (`ProcessGroupGloo._Options`, whose `_timeout` is private)" (so run.mesh_groups, under
     moe.py's expert_groups and run.device_mesh, makes them with
@@ -1089,8 +1089,8 @@ def test_a_pipelines_step_follows_its_slowest_stage():
 
 def test_bf16_and_fp16_mantissas_and_ranges():
     """08 README: bf16 "stores 7 mantissa bits (8 significant bits with the implicit leading
-    one: a relative rounding error of up to 2⁻⁸, 0.4 %)" with fp32's exponent range; fp16
-    "stores 10 mantissa bits" and "its largest number is 65504, bf16's about 3.4 × 10³⁸"."""
+    one: a relative rounding error of up to $2^{-8}$, 0.4 %)" with fp32's exponent range; fp16
+    "stores 10 mantissa bits" and "its largest number is 65504, bf16's about $3.4 \times 10^{38}$"."""
     bf16, fp16, fp32 = (torch.finfo(t) for t in (torch.bfloat16, torch.float16, torch.float32))
     assert bf16.eps == 2.0**-7 and fp16.eps == 2.0**-10  # eps = 2^-(stored mantissa bits)
     assert bf16.max == pytest.approx(3.39e38, rel=1e-2) and fp16.max == 65504
@@ -2537,3 +2537,4 @@ def test_a_model_built_on_the_meta_device_peaks_at_its_shards():
     assert kb_ == {"eager": 91, "meta": 52, "shards": 42, "whole": 83}, (kb_, got)
     assert got["meta"] <= got["shards"] + 3 * got["largest"] < got["whole"], got
     assert got["equal"], "the meta-built model differs from the eager one"
+
