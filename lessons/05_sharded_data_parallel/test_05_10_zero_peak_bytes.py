@@ -203,7 +203,7 @@ def test_zero_peak_bytes_predicts_the_measured_peak(ex):
     """`zero_peak_bytes` comes within 15 % of the peak measured on 2 gloo ranks (the state held,
     plus `AllocationPeak` over a step) with the reference answers' `Zero1Optimizer` and
     `Zero2Optimizer`: 12 cases, four configurations where the backward's start or its end tops
-    the peak, with and without checkpointing."""
+    the peak (two of them with and without checkpointing)."""
     raise_if_untouched(ex.zero_peak_bytes, ex.activation_bytes)
     cases = [(config, batch, stage, checkpoint, False) for config, batch, checkpoint in CASES
              for stage in (1, 2)]
