@@ -374,9 +374,7 @@ def recording_on_rank(ctx) -> dict:
 def test_first_mismatch_reads_a_real_recording_of_gloo_ranks(ex):
     """On a real recording of 2 gloo ranks, a subgroup's all-reduce and broadcast on both, then a
     third all-reduce on rank 0 alone (timed out after 1 s), `first_mismatch` names sequence id 3,
-    rank 1's call `None`.
-
-    Skipped on a torch whose flight recorder records nothing by default."""
+    rank 1's call `None`; skipped on a torch whose flight recorder records nothing by default."""
     raise_if_untouched(ex.first_mismatch)  # not attempted: no ranks
     results = run_on_ranks(recording_on_rank, timeout=30)
     group = results[0]["group"]
