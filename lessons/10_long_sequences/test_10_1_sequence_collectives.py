@@ -125,6 +125,13 @@ def check_calls(rank: int, got: dict, direction: str, op: str, nbytes: int, what
 @pytest.mark.parametrize("dim", [0, 1, 2, -1, None], ids=["0", "1", "2", "-1", "default"])
 @pytest.mark.parametrize("group", GROUPS)
 def test_all_gather_sequence_gathers_forward_and_reduce_scatters_backward(ex, group, dim):
+    """AllGatherSequence gathers every rank's tokens in rank order in the forward and
+    reduce-scatters their gradient in the backward, one collective each way of the whole sequence's
+    bytes: output and gradient against one process, on 1 to 4 gloo ranks, along dims 0, 1, 2, -1 and
+    the default (1).
+
+    An all-reduce where the reduce-scatter belongs is named: right numbers, twice the bytes. One
+    rank needs no collective."""
     world, backend, device = group
     raise_if_untouched(ex.AllGatherSequence.forward, ex.AllGatherSequence.backward)
     results = run_on_ranks(sp_run, "gather", dim, world_size=world, backend=backend,
@@ -158,6 +165,9 @@ def test_all_gather_sequence_gathers_forward_and_reduce_scatters_backward(ex, gr
 @pytest.mark.parametrize("dim", [0, 1, 2, -1, None], ids=["0", "1", "2", "-1", "default"])
 @pytest.mark.parametrize("group", GROUPS)
 def test_reduce_scatter_sequence_sums_forward_and_gathers_backward(ex, group, dim):
+    """ReduceScatterSequence keeps piece r of the sum over the ranks in the forward, x unchanged,
+    and all-gathers the gradient in the backward, one collective each way of the whole sequence's
+    bytes: against one process, on 1 to 4 gloo ranks, along dims 0, 1, 2, -1 and the default (1)."""
     world, backend, device = group
     raise_if_untouched(ex.ReduceScatterSequence.forward, ex.ReduceScatterSequence.backward)
     results = run_on_ranks(sp_run, "scatter", dim, world_size=world, backend=backend,
@@ -205,6 +215,8 @@ def refused_run(ctx, dim: int):
 @pytest.mark.task10_1
 @pytest.mark.parametrize("dim", [0, 1, 2])
 def test_reduce_scatter_sequence_refuses_a_size_that_does_not_divide(ex, dim):
+    """ReduceScatterSequence raises a ValueError naming 7 and 2 for 7 tokens on 2 gloo ranks, along
+    dim 0, 1 or 2."""
     raise_if_untouched(ex.ReduceScatterSequence.forward)
     for rank, message in enumerate(run_on_ranks(refused_run, dim, world_size=2)):
         assert message is not None, (
@@ -220,6 +232,9 @@ def test_reduce_scatter_sequence_refuses_a_size_that_does_not_divide(ex, dim):
 @pytest.mark.task10_1
 @pytest.mark.parametrize("which", ["gather", "scatter"])
 def test_sequence_collectives_stay_within_their_group(ex, which):
+    """Both collectives with `group=` gather and sum over that group only, in the forward and in the
+    backward: on 4 gloo ranks in groups [0, 2] and [1, 3], along dim 0, outputs and input gradients
+    against the group's own."""
     raise_if_untouched(ex.AllGatherSequence.forward, ex.AllGatherSequence.backward,
                        ex.ReduceScatterSequence.forward, ex.ReduceScatterSequence.backward)
     groups = [[0, 2], [1, 3]]

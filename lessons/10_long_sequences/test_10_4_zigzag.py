@@ -61,6 +61,9 @@ def diagnose(pieces: list[torch.Tensor], world: int, length: int) -> str:
        which=st.integers(0, 2), negative=st.booleans())
 def test_zigzag_split_gives_rank_r_chunks_r_and_its_mirror(ex, world, chunk, dims, which,
                                                            negative):
+    """zigzag_split gives rank r chunks r and 2W - 1 - r of 2W, and every rank the same number of
+    visible (query, key) pairs under a causal mask: on 25 generated cases, 1 to 6 ranks, chunks of 1
+    to 4, 1 to 3 dimensions, negative dims too."""
     length = 2 * world * chunk
     dim = min(which, dims - 1)
     shape = tuple(length if i == dim else 2 for i in range(dims))
@@ -90,8 +93,8 @@ def test_zigzag_split_gives_rank_r_chunks_r_and_its_mirror(ex, world, chunk, dim
 @pytest.mark.task10_4
 @pytest.mark.parametrize("length, world", [(8, 2), (12, 3), (16, 4), (24, 4), (4, 1)])
 def test_zigzag_split_is_torchs_head_tail_split(ex, length, world):
-    """torch's context parallel rearranges the sequence with its head-tail load balancer; its
-    indices, cut into W equal pieces, are each rank's positions."""
+    """zigzag_split gives each rank the positions torch's `_HeadTailLoadBalancer` gives it: 8, 12,
+    16, 24 and 4 tokens on 2, 3, 4, 4 and 1 ranks (skipped on a torch without it)."""
     try:  # a private class, which releases have kept in _context_parallel or in _attention
         from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
             _HeadTailLoadBalancer,
@@ -113,6 +116,8 @@ def test_zigzag_split_is_torchs_head_tail_split(ex, length, world):
 @pytest.mark.task10_4
 @pytest.mark.parametrize("length, world", [(7, 1), (6, 2), (10, 4), (9, 3)])
 def test_zigzag_split_refuses_a_length_that_does_not_divide(ex, length, world):
+    """zigzag_split raises a ValueError naming the length and 2W for 7, 6, 10 and 9 tokens on 1, 2,
+    4 and 3 ranks."""
     with pytest.raises(ValueError) as raised:
         pieces = ex.zigzag_split(torch.arange(length), world, 0)
         pytest.fail(f"zigzag_split cut {length} tokens into 2 x {world} chunks without an "
@@ -128,6 +133,8 @@ def test_zigzag_split_refuses_a_length_that_does_not_divide(ex, length, world):
 @sweep(world=st.integers(1, 6), chunk=st.integers(1, 4), dims=st.integers(1, 3),
        which=st.integers(0, 2))
 def test_zigzag_merge_undoes_the_split(ex, world, chunk, dims, which):
+    """zigzag_merge puts the rule's pieces back into the whole tensor: on 25 generated cases, 1 to 6
+    ranks, chunks of 1 to 4, 1 to 3 dimensions."""
     length = 2 * world * chunk
     dim = min(which, dims - 1)
     x = labelled(tuple(length if i == dim else 3 for i in range(dims)), dim)
@@ -150,7 +157,8 @@ def _positions(x: torch.Tensor, dim: int) -> list[int]:
 @pytest.mark.task10_4
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_zigzag_merge_follows_the_rule_on_any_pieces(ex, world):
-    """Pieces that are not a split of anything (random values): the rule alone decides."""
+    """zigzag_merge follows the rule on random pieces that are no split of anything, for 1, 2 and 3
+    ranks: piece r's first half is chunk r, its second half chunk 2W - 1 - r."""
     length = 4 * world
     pieces = [torch.randn(2, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     got = ex.zigzag_merge(pieces, 1)

@@ -188,6 +188,12 @@ def needed_blocks(positions: torch.Tensor, world: int, layout: str, causal: bool
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("group", RING_GROUPS)
 def test_ring_attention_equals_attention_over_the_whole_sequence(ex, group, layout, causal):
+    """ring_attention equals attention over the whole sequence in one process: out, lse, the
+    gradient of q and of the rank's own k and v, on 1 to 4 gloo ranks, contiguous and zig-zag,
+    causal and not, to 1e-9 in float64.
+
+    A rank's own k and v get its own queries' share of the gradient: the other blocks arrive outside
+    autograd's graph."""
     world, backend, device = group
     raise_if_untouched(ex.ring_attention)
     results = rings(layout, causal, world_size=world, backend=backend, device=device)
@@ -222,6 +228,7 @@ def test_ring_attention_equals_attention_over_the_whole_sequence(ex, group, layo
 @pytest.mark.task10_5
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_attention_passes_each_block_once_around(ex, world):
+    """ring_attention calls ring_pass W - 1 times on every rank, on 1, 2 and 4 gloo ranks."""
     raise_if_untouched(ex.ring_attention)
     for rank, got in enumerate(rings("zigzag", False, world_size=world)):
         back = "; a W-th sends each block back where it started" if got["ring_pass"] else ""
@@ -234,9 +241,12 @@ def test_ring_attention_passes_each_block_once_around(ex, world):
 @pytest.mark.task10_5
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_never_holds_more_than_one_block(ex, world):
-    """No product larger than one block of scores; no tensor larger than that or than one
-    block's keys and values together (k and v stacked for one ring_pass are fine). At W = 4 the
-    whole sequence's keys alone are twice that."""
+    """ring_attention builds no matrix product larger than one block of scores, and no tensor larger
+    than that or than one block's keys and values together, on 2 and 4 gloo ranks (a dispatch mode
+    records every operation's output).
+
+    k and v stacked for one ring_pass are fine. At W = 4 the whole sequence's keys alone are twice
+    that."""
     raise_if_untouched(ex.ring_attention)
     block = BATCH * HEADS * TOKENS * TOKENS  # one block of scores: this rank's queries x keys
     keys_and_values = 2 * BATCH * HEADS * TOKENS * HEAD_DIM  # one block's k and v
@@ -259,6 +269,8 @@ def test_ring_attention_never_holds_more_than_one_block(ex, world):
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_attention_skips_the_blocks_no_query_sees(ex, world, layout):
+    """Under a causal mask, ring_attention calls attend_block exactly for the blocks that hold a key
+    some query of the rank may see, on 2, 3 and 4 gloo ranks, contiguous and zig-zag."""
     raise_if_untouched(ex.ring_attention)
     for rank, got in enumerate(rings(layout, True, world_size=world)):
         needed = needed_blocks(got["positions"], world, layout, True)
@@ -275,6 +287,8 @@ def test_ring_attention_skips_the_blocks_no_query_sees(ex, world, layout):
 
 @pytest.mark.task10_5
 def test_ring_attention_is_causal_by_default(ex):
+    """ring_attention with causal left to its default is causal: its out on 2 gloo ranks,
+    contiguous, against causal attention over the whole sequence."""
     raise_if_untouched(ex.ring_attention)
     out, lse, _ = whole(2, True)
     for rank, got in enumerate(rings("contiguous", None, world_size=2)):
@@ -285,6 +299,9 @@ def test_ring_attention_is_causal_by_default(ex):
 
 @pytest.mark.task10_5
 def test_ring_attention_stays_within_its_group(ex):
+    """ring_attention with `group=` is a ring of the group: on 4 gloo ranks in groups [0, 2] and [1,
+    3], zig-zag and causal, one pass each, and the out, lse and q's gradient of attention over the
+    group's own sequence."""
     raise_if_untouched(ex.ring_attention)
     results = rings("zigzag", True, [[0, 2], [1, 3]], world_size=4)
     out, lse, grad = whole(2, True)

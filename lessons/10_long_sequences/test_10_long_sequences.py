@@ -79,6 +79,14 @@ DP_, TP_, SP_, CP_ = ("data parallel", "tensor parallel", "tensor + sequence par
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_keeps_less_and_sends_the_same_bytes(world):
+    """sequence_parallel.py's block split by tensor parallelism, with and without sequence
+    parallelism, gives the unsplit block's output and gradients to 1e-12 in float64 on 2 and 4 gloo
+    ranks; both send the same bytes, and sequence parallelism keeps 2 B S (C + 2) (W - 1) / W fewer
+    elements.
+
+    Tensor parallelism runs 4 all-reduces, sequence parallelism 4 all-gathers and 4 reduce-scatters.
+    Under sequence parallelism the gradients of the layer norms and of the row layers' biases are
+    partial sums; without it, none is."""
     B, S, C = 2, 8, SP_BLOCK["n_embd"]
     tp = [got[TP] for got in sp_versions(world)]
     sp = [got[SP] for got in sp_versions(world)]
@@ -109,9 +117,12 @@ def test_sequence_parallel_keeps_less_and_sends_the_same_bytes(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dtensor_sequence_parallel_is_the_same_split(world):
-    """sequence_parallel.py's DTensor plan (SequenceParallel on the norms, the stream Shard(1)):
-    the unsplit block's output and every gradient (each parameter's slices gathered, the layer
-    norms' partial sums added); the collectives, bytes and kept elements of the split by hand."""
+    """sequence_parallel.py's DTensor plan (SequenceParallel on the norms, the stream Shard(1)) is
+    the split by hand, on 2 and 4 gloo ranks: the unsplit block's output and every gradient, 4
+    all-gathers and 4 reduce-scatters, the same bytes and the same kept elements.
+
+    Each parameter's slices are gathered and the layer norms' Partial(sum) gradients added; the row
+    layers' biases arrive whole."""
     by_hand = [got[SP] for got in sp_versions(world)]
     dtensor = [got[DTENSOR] for got in sp_versions(world)]
     for rank, (mine, theirs) in enumerate(zip(by_hand, dtensor, strict=True)):
@@ -166,6 +177,10 @@ def whole(length: int, causal: bool) -> dict:
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("group", RING_GROUPS)
 def test_ring_attention_by_hand_gives_the_gradients_of_one_process(group, layout, causal, trim):
+    """ring_attention.py's RingAttention, its backward written by hand, gives the output and the
+    gradients of q, k and v of attention over the whole sequence in one process: on 1 to 4 gloo
+    ranks, contiguous and zig-zag, causal with whole or trimmed blocks, and unmasked, to 1e-9 in
+    float64."""
     world, backend, device = group
     results = run_on_ranks(by_hand_run, layout, causal, trim, 6, world_size=world,
                            backend=backend, device=device)
@@ -179,8 +194,9 @@ def test_ring_attention_by_hand_gives_the_gradients_of_one_process(group, layout
 
 
 def test_a_rank_holds_one_block_of_scores_and_keeps_its_own_tokens():
-    """The same 24-token sequence on 1, 2 and 4 ranks: the largest tensor is one block of scores
-    (24/W queries x 24/W keys), and autograd keeps only the rank's own tokens for backward."""
+    """RingAttention on the same 24-token causal sequence on 1, 2 and 4 gloo ranks builds no tensor
+    larger than one block of scores (24/W queries by 24/W keys), and autograd keeps only the rank's
+    own tokens' q, k, v, output, lse and positions."""
     length = 24
     found = {world: run_on_ranks(by_hand_run, "contiguous", True, True, length // world,
                                  world_size=world)
@@ -200,6 +216,9 @@ def test_a_rank_holds_one_block_of_scores_and_keeps_its_own_tokens():
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_contiguous_blocks_load_the_last_rank_and_zigzag_balances(world):
+    """Counting the visible (query, key) pairs of 16 tokens a rank under a causal mask, for 2, 3, 4
+    and 8 ranks: contiguous blocks give the last rank between 2W - 1 - 0.2W and 2W - 1 times the
+    first rank's; zig-zag gives every rank S (S + 1) / (2W)."""
     tokens = 16
     length = tokens * world
     contiguous = [visible_pairs(p, length) for p in split_positions("contiguous", length, world)]
@@ -213,6 +232,9 @@ def test_contiguous_blocks_load_the_last_rank_and_zigzag_balances(world):
 
 @pytest.mark.slow
 def test_script_matches_one_process_and_counts_each_ranks_work(script_run):
+    """ring_attention.py under torchrun on 4 ranks, 32 tokens, differs from one process by less than
+    1e-12 for each split, and counts the scores each rank computes, forward and backward: rank r's r
+    + 1 blocks contiguous, all 4 zig-zag, its own and half of each of the 3 others trimmed."""
     run = script_run.result()
     data = run.data
     assert data["world_size"] == 4, data
@@ -241,6 +263,8 @@ def ring_script(outside_launcher):
 
 
 def test_script_refuses_a_length_that_does_not_split(ring_script, capsys):
+    """ring_attention.py as one plain process with `--length 7` exits with status 2 and one line
+    naming the script and `--length 7`, before any process group."""
     assert ring_script.main(["--length", "7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ring_attention.py" in err[0] and "--length 7" in err[0], err
@@ -266,12 +290,14 @@ def kept_per_token(method: str, C: int, H: int, W: int) -> float:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_per_rank_is_what_the_text_counts(world):
-    """memory_by_length.py's measurements: the bytes each rank keeps for one block's backward,
-    tensor by tensor, are the README's count for every method and length (positions, int64,
-    on top for context parallelism), the keys and values among them 2C per token in one process
-    and a W-th of it otherwise; the parameters are whole but for tensor parallelism's
-    slices; the bytes sent, forward and backward, are the table's; context parallelism keeps
-    least, then TP + SP, TP, and one process."""
+    """memory_by_length.py's measurements on 2 and 4 gloo ranks, 16 and 32 tokens, are the README's
+    count for every method: the bytes kept for one block's backward, the keys and values among them,
+    the parameters, the bytes sent; context parallelism keeps least, then TP + SP, TP, one process.
+
+    The kept bytes are counted tensor by tensor, each once, the positions (int64) on top for context
+    parallelism; the keys and values are 2C per token in one process and a W-th of it otherwise; the
+    parameters are whole but for tensor parallelism's slices. The script's printed count column is
+    held to the same numbers."""
     C, H = 16, 4
     lengths = (16, 32)
     whole = 12 * C * C + 13 * C
@@ -305,7 +331,9 @@ def test_memory_per_rank_is_what_the_text_counts(world):
 
 
 def test_memory_script_refuses_lengths_that_do_not_split(outside_launcher, capsys):
-    """One process: a length must cut into 2 chunks (zig-zag, 2 per rank)."""
+    """memory_by_length.py as one process with `--lengths 16,7` exits with status 2 and one line
+    naming the script and `--lengths 7`, before any process group: a length must cut into 2 zig-zag
+    chunks."""
     assert script_module("memory_by_length").main(["--lengths", "16,7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "memory_by_length.py" in err[0] and "--lengths 7" in err[0], err
@@ -358,10 +386,10 @@ def cp_gradients_on_rank(ctx, length: int):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_train_cp_steps_give_the_gradients_of_one_process(world):
-    """The running example with every sequence split zig-zag across the ranks and the ring in
-    every block: the mean of the ranks' gradients is one process's on whole sequences, every
-    parameter (the position embedding's too: a rank's tokens keep their places); outside the
-    context manager the blocks attend in one process again."""
+    """The running example with every 16-token sequence split zig-zag over 1, 2 and 4 gloo ranks and
+    the ring in every block: the mean of the ranks' gradients is one process's on whole sequences,
+    every parameter, the position embedding's too; afterwards the blocks attend in one process
+    again."""
     for rank, got in enumerate(run_on_ranks(cp_gradients_on_rank, 16, world_size=world)):
         for name, gradient in got["split"].items():
             assert_close(gradient, got["alone"][name], f"the gradient of {name}, cp {world} "
@@ -376,9 +404,9 @@ def reference():
 
 @pytest.mark.slow
 def test_train_cp_on_four_ranks_trains_what_one_process_trains(train_run, reference):
-    """train_cp.py under torchrun, dp 2 x cp 2 with 8 windows per row: the losses and weights
-    of lesson 03's one process on batches of 16; sampling (whole sequences, attention in one
-    process) gives the same text before training."""
+    """train_cp.py under torchrun, dp 2 x cp 2 with 8 windows per row, takes the steps of lesson
+    03's script in one process on batches of 16: losses, validation accuracy and weights to lesson
+    03's bound, and the same sample before training (whole sequences, attention in one process)."""
     launch, checkpoint = train_run
     data = launch.result().data
     assert (data["world_size"], data["dp"], data["cp"]) == (4, 2, 2), data
@@ -399,8 +427,10 @@ def test_train_cp_on_four_ranks_trains_what_one_process_trains(train_run, refere
 ])
 def test_train_cp_refuses_a_degree_that_does_not_fit(outside_launcher, monkeypatch, capsys,
                                                      argv, env, said):
-    """Before any process group: the degree must divide the processes, and twice the degree
-    the sequence (zig-zag's chunks); an error that names the script and a degree that fits."""
+    """train_cp.py refuses, before any process group and with status 2, a `--cp` that does not
+    divide the processes (`--cp 2` on 1) or whose double does not divide the model's 32 positions
+    (`--cp 3`, and the default 3 of 3 processes), naming the script, and for `--cp 3` one that fits.
+    """
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert train_cp_module().main(argv) == 2
@@ -413,8 +443,11 @@ def test_train_cp_refuses_a_degree_that_does_not_fit(outside_launcher, monkeypat
 @pytest.mark.parametrize("gpus", [pytest.param(n, marks=gpu_marks(n, f"nccl, cp {n}"),
                                                id=f"cp{n}") for n in (1, 2)])
 def test_train_cp_on_gpus_trains_what_one_process_trains_on_the_cpu(reference, gpus):
-    """On GPUs the ring runs on nccl, one GPU per rank, every rank in one cp group: the CPU
-    reference's losses to CUDA's rounding. Not yet run on a GPU."""
+    """train_cp.py on 1 and 2 GPUs (nccl, one GPU per rank, every rank in one cp group) gives the
+    losses of lesson 03's one-process CPU run on batches of 16, to CUDA's rounding (rtol 1e-4, atol
+    1e-5).
+
+    Not yet run on a GPU."""
     run = run_script(TRAIN_SCRIPT, *TRAIN, "--batch-size", "16", launcher="torchrun", nproc=gpus)
     assert (run.data["backend"], run.data["device"], run.data["cp"]) == ("nccl", "cuda:0",
                                                                          gpus), run.data
@@ -456,7 +489,11 @@ def torch_context_parallel_run(ctx):
 @pytest.mark.parametrize("group", group_params(world_sizes=(), cuda_world_sizes=(),
                                                nccl_world_sizes=(1, 2)))
 def test_torchs_context_parallel_equals_attention_on_the_whole_sequence(group):
-    """The GPU path: what the text says of torch's API, run. Not yet run on a GPU."""
+    """torch's `context_parallel` around SDPA's memory-efficient CUDA kernel, causal, on 1 and 2
+    nccl ranks, gives the output and the gradients of q, k and v of the same call on the whole
+    sequence, to 1e-4 in float32.
+
+    Not yet run on a GPU."""
     world, backend, device = group
     for rank, got in enumerate(run_on_ranks(torch_context_parallel_run, world_size=world,
                                             backend=backend, device=device)):

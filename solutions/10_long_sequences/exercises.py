@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names now warn);
 # torch 2.11 and 2.12 have only the old names.
@@ -275,3 +276,114 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         out, lse = merge_partials(out, lse, *part)
     return out, lse
 # --8<-- [end:ring_attention]
+
+
+# --8<-- [start:SeqAllToAll]
+class SeqAllToAll(torch.autograd.Function):
+    """DeepSpeed-Ulysses' exchange: one dimension split across the group's ranks becomes
+    another.
+
+    ``SeqAllToAll.apply(x, scatter_dim, gather_dim, group)``. Every rank of ``group`` (``None``:
+    every rank) calls it with the same shapes. Cut ``x`` along ``scatter_dim`` into W equal
+    pieces (W the group's size) and send piece j to rank j; put the W pieces received,
+    rank 0's first, side by side along ``gather_dim``: one ``all_to_all_single``. So rank j
+    returns piece j of every rank's ``x``: ``scatter_dim`` W times shorter, ``gather_dim`` W
+    times longer. For (batch, heads, tokens, head_dim) and dims (1, 2): each rank's tokens
+    for every head become every token for this rank's block of heads. A ``scatter_dim`` whose
+    size does not divide by W raises ``ValueError`` naming both numbers.
+    Backward: the same exchange the other way, ``gather_dim`` cut and ``scatter_dim`` joined,
+    so that each piece's gradient goes home. Returns ``(gradient, None, None, None)``.
+
+    The test checks output and gradient against every rank's pieces on 2 and 4 ranks, for the
+    heads-to-sequence exchange and back, and counts one all_to_all each way.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None):
+        world = dist.get_world_size(group)
+        if x.shape[scatter_dim] % world:
+            raise ValueError(f"dimension {scatter_dim} has {x.shape[scatter_dim]} entries, "
+                             f"which do not cut into {world} equal pieces, one per rank")
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        # all_to_all_single sends row j of its first dimension to rank j: stack the pieces there
+        pieces = torch.stack(x.chunk(world, dim=scatter_dim))
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces, group=group)
+        return torch.cat(received.unbind(0), dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return SeqAllToAll.apply(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+# --8<-- [end:SeqAllToAll]
+
+
+# --8<-- [start:ulysses_attention]
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
+                      causal: bool = True) -> torch.Tensor:
+    """Attention over a sequence split across the group's ranks, DeepSpeed-Ulysses' way: swap
+    the split from tokens to heads, attend whole sequences, swap back.
+
+    ``q``, ``k``, ``v`` (B, H, L, D), the same shape on every rank: rank r's L consecutive
+    tokens, positions r·L to (r+1)·L - 1 of a sequence of W·L, for all H heads. With
+    ``SeqAllToAll``, turn each into (B, H/W, W·L, D): the whole sequence for this rank's H/W
+    heads; attend (``F.scaled_dot_product_attention``, causal if ``causal``); turn the output
+    back into (B, H, L, D) with the exchange the other way. Returns that output: for this rank's
+    tokens, what attention over the whole sequence gives them, every head. H not divisible
+    by W raises a ``ValueError`` that says so (the heads, H and W), before any exchange.
+
+    Each of q, k and v crosses the network once (one all-to-all each, or one for the three
+    stacked), and the output once; the backward sends each gradient back the same way.
+    Autograd carries the gradients to q, k and v: all of this rank's, since the exchanges
+    are differentiable.
+
+    The test compares the output and the gradients of q, k and v with
+    ``F.scaled_dot_product_attention`` over the whole sequence in one process, on 2 and 4 ranks,
+    causal and not, over generated sizes, and in a subgroup; it counts the bytes every
+    all-to-all moves, forward and backward (the four tensors' size, nothing else), and checks
+    the error.
+    """
+    world = dist.get_world_size(group)
+    if q.shape[1] % world:
+        raise ValueError(f"{q.shape[1]} heads do not divide among {world} ranks: Ulysses gives "
+                         f"each rank whole heads")
+    # heads split, every token: (B, H/W, W·L, D)
+    q, k, v = (SeqAllToAll.apply(t, 1, 2, group) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return SeqAllToAll.apply(out, 2, 1, group)  # tokens split, every head: (B, H, L, D)
+# --8<-- [end:ulysses_attention]
+
+
+# --8<-- [start:token_mean_loss]
+def token_mean_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                    group=None) -> torch.Tensor:
+    """The cross-entropy averaged over every real token of every rank of ``group``, when the
+    batch, or each sequence, is split across the ranks.
+
+    ``logits`` (..., V) and ``targets`` (...) are this rank's tokens, any number of them; a
+    target equal to ``ignore_index`` (padding, a prompt) is not a real token. Returns a
+    scalar, the same on every rank: the sum of the cross-entropy over every rank's real tokens
+    divided by how many there are, N: what ``F.cross_entropy(..., ignore_index=...)`` gives on
+    every rank's tokens together. A rank with no real token is fine (no NaN); when no rank
+    has one, the loss is 0 and so are its gradients.
+
+    Its gradient is this rank's share: the gradient of this rank's own real tokens' sum
+    divided by N. So the gradients, **summed** over the ranks, are the gradient of the whole
+    batch's mean in one process. Under ``DistributedDataParallel``, which **averages** them
+    over its W ranks, call ``(W * loss).backward()``.
+
+    The test compares the value and the gradients (of the logits, and of a weight every rank
+    shares, summed over the ranks) with ``F.cross_entropy`` on the whole batch in one process,
+    on 2 and 3 ranks with generated uneven counts of real tokens (zero on some ranks), with
+    ``ignore_index`` -100 and 0, under DDP with ``W * loss``, and in a subgroup.
+    """
+    # A sum, not a mean: a mean of an empty set is 0/0, and means of unequal sets do not average
+    mine = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=ignore_index, reduction="sum")
+    real = (targets != ignore_index).sum()
+    # float64: exact counts and sums; one all-reduce for both
+    totals = torch.stack([mine.detach().double(), real.double()])
+    dist.all_reduce(totals, group=group)
+    others = (totals[0] - mine.detach()).to(mine.dtype)  # the other ranks' sum: a constant
+    return (mine + others) / totals[1].clamp(min=1).to(mine.dtype)
+# --8<-- [end:token_mean_loss]
