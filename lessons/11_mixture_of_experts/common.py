@@ -7,9 +7,12 @@ reference answer, and the graders compare a learner's function with them over ge
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
+from harness.compare import assert_close
 from harness.ranks import group_params
 
 LESSON = "11_mixture_of_experts"
@@ -78,3 +81,84 @@ def everyone_agrees(ctx, ok: bool) -> bool:
     flag = torch.tensor([int(ok)], device=ctx.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def loop_experts(tokens, experts, weights, w_in, w_out, weigh="after"):
+    """task11_6's layer as a plain loop over the experts: each expert runs on the tokens that
+    chose it, its output weighed by the gate weight and added to the token's. ``weigh`` names
+    a mistake the graders recognise: "before" the expert (on its input), "not" at all."""
+    out = torch.zeros_like(tokens)
+    for e in range(w_in.shape[0]):
+        for t, j in (experts == e).nonzero().tolist():
+            x = tokens[t] * weights[t, j] if weigh == "before" else tokens[t]
+            y = torch.nn.functional.gelu(x @ w_in[e]) @ w_out[e]
+            out = out.index_add(0, torch.tensor([t]),
+                                (y * weights[t, j] if weigh == "after" else y).unsqueeze(0))
+    return out
+
+
+def loop_biased_route(logits, bias, k: int, choose_by="s + b", weigh="s"):
+    """task11_7's routing token by token: (experts, weights) as lists, weights differentiable.
+    ``choose_by`` and ``weigh`` name mistakes the graders recognise: choosing by "s" alone;
+    weighing by "s + b", by a "softmax" of the chosen logits, or by "raw" affinities."""
+    experts, weights = [], []
+    for row in logits:
+        s = [1 / (1 + torch.exp(-x)) for x in row]
+        key = [float(s[e].detach()) + (float(bias[e]) if choose_by == "s + b" else 0.0)
+               for e in range(len(row))]
+        chosen = sorted(range(len(row)), key=lambda e: -key[e])[:k]
+        if weigh == "softmax":
+            values = [torch.exp(row[e]) for e in chosen]
+        else:
+            values = [s[e] + (float(bias[e]) if weigh == "s + b" else 0.0) for e in chosen]
+        total = sum(values)
+        experts.append(chosen)
+        weights.append([v if weigh == "raw" else v / total for v in values])
+    return experts, weights
+
+
+def loop_update_bias(bias: list[float], load: list[float], rate: float, rule="sign"):
+    """task11_7's bias update, expert by expert, from the paper's words: down by rate when
+    overloaded (above the mean load), up when underloaded, unchanged at the mean. ``rule``
+    names mistakes the graders recognise: "reversed" signs, "proportional" to the error."""
+    mean = sum(load) / len(load)
+    new = []
+    for b, n in zip(bias, load, strict=True):
+        step = (n < mean) - (n > mean)  # +1 underloaded, -1 overloaded, 0 at the mean
+        if rule == "reversed":
+            step = -step
+        if rule == "proportional":
+            step = mean - n
+        new.append(b + rate * step)
+    return new
+
+
+def assert_routed_as(where: str, experts, weights, want_experts: list[list[int]], want_weights,
+                     logits, probe, *, order: str, experts_hint=None, weights_hint=None,
+                     graph_hint: str = "") -> None:
+    """A router's answer against a loop's: the experts chosen (largest ``order`` first), then the
+    weights, then their gradient by the logits along ``probe``. ``experts_hint(got)`` and
+    ``weights_hint()`` name a recognised mistake (or return "")."""
+    got = experts.tolist()
+    if got != want_experts:
+        hint = experts_hint(got) if experts_hint else ""
+        if not hint and [sorted(row) for row in got] == [sorted(row) for row in want_experts]:
+            hint = f": the right experts in the wrong order; largest {order} first"
+        raise AssertionError(f"{where}: experts {got}, expected {want_experts}{hint}")
+    want = torch.stack([torch.stack(row) for row in want_weights])
+    try:
+        assert_close(weights, want.detach(), f"{where}: weights", **TIGHT)
+    except AssertionError as error:
+        raise AssertionError(f"{error}{weights_hint() if weights_hint else ''}") from None
+    assert weights.requires_grad, (
+        f"{where}: the weights are not differentiable with respect to logits; {graph_hint}")
+    (grad,) = torch.autograd.grad((weights * probe).sum(), logits)
+    (want_grad,) = torch.autograd.grad((want * probe).sum(), logits)
+    assert_close(grad, want_grad, f"{where}: the gradient of sum(weights * c) by logits", **TIGHT)
+
+
+def names_shape(message: str, shape: tuple[int, ...]) -> bool:
+    """Whether ``message`` names ``shape``: its sizes, in order, among the message's numbers, as
+    ``(3, 2)``, ``torch.Size([3, 2])`` or ``3 x 2`` print them."""
+    numbers = [int(n) for n in re.findall(r"-?\d+", message)]
+    return any(tuple(numbers[i:i + len(shape)]) == tuple(shape) for i in range(len(numbers)))

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.compare import assert_close
 from harness.sweep import st, sweep
-from lesson11.common import TIGHT, loop_route, seeded
+from lesson11.common import TIGHT, assert_routed_as, loop_route, seeded
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
 # (tests/test_course.py checks the names).
@@ -99,6 +98,10 @@ def token_major(experts: list[list[int]], capacity: int, num_experts: int):
 @sweep(max_examples=60, tokens=st.integers(1, 12), num_experts=st.integers(1, 8),
        data=st.data(), seed=st.integers(0, 2**16))
 def test_route_matches_a_loop(ex, tokens, num_experts, data, seed):
+    """route equals a loop written from the rule, on 60 generated cases (1 to 12 tokens, 1 to 8
+    experts, k from 1 to E, no capacity or one near the even share): the experts, largest
+    probability first, the weights and their gradient by the logits, and every kept flag, in
+    float64."""
     k = data.draw(st.integers(1, num_experts), label="k")
     even = -(-tokens * k // num_experts)  # an even share: capacities near it drop some
     capacity = data.draw(st.one_of(st.none(), st.integers(0, even + 1),
@@ -109,25 +112,11 @@ def test_route_matches_a_loop(ex, tokens, num_experts, data, seed):
     where = f"route(logits of {tokens} tokens x {num_experts} experts, k={k}, capacity={capacity})"
     assert tuple(experts.shape) == (tokens, k), f"{where}: experts is {tuple(experts.shape)}, " \
                                                 f"expected ({tokens}, {k})"
-    got = experts.tolist()
-    if got != want_experts:
-        hint = ""
-        if [sorted(row) for row in got] == [sorted(row) for row in want_experts]:
-            hint = ": the right experts in the wrong order; largest probability first"
-        raise AssertionError(f"{where}: experts {got}, expected {want_experts}{hint}")
-    want = torch.stack([torch.stack(row) for row in want_weights])
-    try:
-        assert_close(weights, want.detach(), f"{where}: weights", **TIGHT)
-    except AssertionError as error:
-        hint = weights_hint(weights.detach(), logits.detach(), k, kept)
-        raise AssertionError(f"{error}{hint}") from None
-    assert weights.requires_grad, (
-        f"{where}: the weights are not differentiable with respect to logits; keep them in "
-        f"the graph (no .detach(), no torch.no_grad(), no .tolist())")
-    c = seeded(seed + 1, tokens, k)
-    (grad,) = torch.autograd.grad((weights * c).sum(), logits)
-    (want_grad,) = torch.autograd.grad((want * c).sum(), logits)
-    assert_close(grad, want_grad, f"{where}: the gradient of sum(weights * c) by logits", **TIGHT)
+    assert_routed_as(
+        where, experts, weights, want_experts, want_weights, logits, seeded(seed + 1, tokens, k),
+        order="probability", weights_hint=lambda: weights_hint(weights.detach(), logits.detach(),
+                                                                k, kept),
+        graph_hint="keep them in the graph (no .detach(), no torch.no_grad(), no .tolist())")
     assert kept.dtype == torch.bool, f"{where}: kept is {kept.dtype}, expected torch.bool"
     if kept.tolist() != want_kept:
         hint = capacity_hint(ex, kept.tolist(), want_experts, capacity, num_experts)
@@ -136,9 +125,11 @@ def test_route_matches_a_loop(ex, tokens, num_experts, data, seed):
 
 @pytest.mark.task11_1
 def test_top_1_weights_give_the_router_a_gradient(ex):
-    """Switch Transformer's top-1: a token's weight is its expert's probability p, through
-    which the loss moves the router. Renormalised, it would be p / p = 1 for every token, and
-    the router would learn nothing from the loss (only from the load-balancing loss)."""
+    """With k = 1, route's weights give the router a gradient (above 1e-3 for these logits): a
+    token's weight is its expert's probability p, as in Switch Transformer, not p / p = 1.
+
+    Renormalised, the weight would be 1 for every token, and the router would learn nothing from the
+    loss (only from the load-balancing loss)."""
     logits = (seeded(3, 6, 4) * 3).requires_grad_(True)
     _, weights, _ = ex.route(logits, 1)
     assert weights.requires_grad, (
@@ -153,9 +144,12 @@ def test_top_1_weights_give_the_router_a_gradient(ex):
 
 @pytest.mark.task11_1
 def test_capacity_serves_first_choices_first(ex):
-    """Token 0 prefers expert 0 then 1, token 1 expert 1 then 0; capacity 1: each expert takes
-    the token that chose it first. Served token by token instead, token 0's second choice
-    would take expert 1's only place before token 1's first choice."""
+    """At capacity 1, of two tokens with opposite preferences between 2 experts, route keeps each
+    token's first choice and drops both second choices: every token's first choice is served before
+    any second.
+
+    Served token by token instead, token 0's second choice would take expert 1's only place before
+    token 1's first choice."""
     logits = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
     experts, _, kept = ex.route(logits, 2, 1)
     assert experts.tolist() == [[0, 1], [1, 0]], f"experts {experts.tolist()}"
@@ -172,6 +166,8 @@ def test_capacity_serves_first_choices_first(ex):
 @pytest.mark.task11_1
 @pytest.mark.parametrize("k, capacity", [(0, None), (4, None), (-1, None), (2, -1)])
 def test_route_refuses_what_it_cannot_do(ex, k, capacity):
+    """route raises a ValueError for k = 0, 4 and -1 with 3 experts, naming k and 3, and for a
+    capacity of -1."""
     logits = seeded(0, 5, 3)
     with pytest.raises(ValueError) as raised:
         ex.route(logits, k, capacity)

@@ -66,6 +66,9 @@ def counts_run(ctx, per_rank: int, groups=None) -> dict:
 @pytest.mark.parametrize("per_rank", [1, 3])
 @pytest.mark.parametrize("group_case", GROUPS + [pytest.param("subgroups", id="subgroups")])
 def test_exchange_counts_tells_each_rank_what_comes(group_case, per_rank):
+    """exchange_counts gives every rank, in one all-to-all, the counts each rank sends its experts,
+    row s from rank s: against every rank's seeded counts, 1 and 3 experts a rank, on 1 to 4 gloo
+    ranks and in groups [0, 2] and [1, 3] of 4."""
     if group_case == "subgroups":
         world, backend, device, groups = 4, "gloo", "cpu", [[0, 2], [1, 3]]
     else:
@@ -185,6 +188,11 @@ def check_a2a(results, sizes, count_calls: bool = True) -> None:
 @pytest.mark.task11_3
 @pytest.mark.parametrize("group_case", GROUPS + [pytest.param("subgroups", id="subgroups")])
 def test_all_to_all_sends_rows_and_their_gradients_back(group_case):
+    """AllToAll delivers every row to its rank, in rank order, and every row's gradient back home,
+    with one all-to-all each way of exactly those rows' bytes and x unchanged: uneven sizes with
+    zeros, on 1 to 4 gloo ranks and in groups [0, 2] and [1, 3] of 4.
+
+    The rows and their gradients are not contiguous, as a model's tensors need not be."""
     if group_case == "subgroups":
         world, backend, device, groups = 4, "gloo", "cpu", [[0, 2], [1, 3]]
         n = 2
@@ -203,12 +211,16 @@ def test_all_to_all_sends_rows_and_their_gradients_back(group_case):
        matrix=st.lists(st.lists(st.integers(0, 4), min_size=4, max_size=4), min_size=4,
                        max_size=4))
 def test_all_to_all_over_generated_sizes(world, matrix):
+    """AllToAll delivers the rows and brings their gradients home for 12 generated size matrices, 0
+    to 4 rows from each rank to each, on 2 to 4 gloo ranks."""
     sizes = [row[:world] for row in matrix[:world]]  # sizes[s][d]: rows rank s sends rank d
     check_a2a(run_on_ranks(a2a_run, sizes, world_size=world), sizes, count_calls=False)
 
 
 @pytest.mark.task11_3
 def test_all_to_all_takes_sizes_as_tensors():
+    """AllToAll takes its size lists as int64 tensors too: rows, gradients and one all-to-all each
+    way, on 2 gloo ranks."""
     sizes = [[1, 2], [0, 3]]
     check_a2a(run_on_ranks(a2a_run, sizes, None, True, world_size=2), sizes)
 
@@ -225,6 +237,8 @@ def refusal_run(ctx) -> str:
 
 @pytest.mark.task11_3
 def test_all_to_all_refuses_sizes_that_do_not_add_up():
+    """AllToAll raises a ValueError naming 3 and 5 when the send sizes [1, 2] do not add up to x's 5
+    rows, on 2 gloo ranks."""
     for rank, message in enumerate(run_on_ranks(refusal_run, world_size=2, timeout=60)):
         assert message, (f"rank {rank}: AllToAll.apply(x of 5 rows, send_sizes [1, 2], ...) "
                          f"did not raise ValueError: check before sending")

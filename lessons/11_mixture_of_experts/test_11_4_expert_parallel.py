@@ -178,6 +178,14 @@ def out_hint(found: dict, got: torch.Tensor, world: int) -> str:
 @pytest.mark.parametrize("group_case", [g for g in GROUPS if g.values[0][0] in (1, 2, 4)]
                          + [pytest.param("subgroups", id="subgroups")])
 def test_expert_parallel_is_the_loop_over_every_ranks_tokens(group_case, k, capacity, idle):
+    """expert_parallel_forward equals a loop over every rank's tokens in one process: the output and
+    the gradients of the tokens, the weights and each local expert, on 1, 2 and 4 gloo ranks and
+    groups of 2 in 4; top-1 and top-2, with drops, an idle expert, a rank that receives nothing,
+    capacity 0.
+
+    Each local expert runs once on all its rows (one that received none may be skipped). The forward
+    runs three all-to-alls (the counts, the kept rows, what comes back) and the backward two, each
+    of exactly the bytes planned."""
     if group_case == "subgroups":
         world, backend, device, groups = 4, "gloo", "cpu", [[0, 2], [1, 3]]
     else:
@@ -262,6 +270,8 @@ def refusal_run(ctx) -> str:
 
 @pytest.mark.task11_4
 def test_expert_parallel_refuses_the_wrong_block():
+    """expert_parallel_forward raises a ValueError naming 2 and 3 when given 2 local experts for 6
+    experts on 2 gloo ranks, before any exchange."""
     for rank, message in enumerate(run_on_ranks(refusal_run, world_size=2, timeout=60)):
         assert message, (f"rank {rank}: 2 local experts for 6 experts on 2 ranks did not raise "
                          f"ValueError: check len(local_experts) before any exchange")

@@ -127,6 +127,9 @@ def name_the_rule(got: torch.Tensor, rules: dict[str, torch.Tensor]) -> str:
 @pytest.mark.task11_5
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_replicated_gradients_become_the_mean_over_the_group(ex, layout):
+    """sync_gradients makes each replicated parameter's gradient the mean over the group: against
+    the rule worked out from every rank's seeded gradients, 5 parameter lists on 1, 2 and 4 gloo
+    ranks, ep 2, dp 2, dp 2 × ep 2, ep 4, and two groups of 2 side by side."""
     raise_if_untouched(ex.sync_gradients)
     world = LAYOUTS[layout][0]
     for rank, cases in enumerate(results(layout)):
@@ -155,6 +158,9 @@ def test_replicated_gradients_become_the_mean_over_the_group(ex, layout):
 @pytest.mark.task11_5
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_gradients_become_the_sum_over_copies_divided_by_w(ex, layout):
+    """sync_gradients makes each expert's gradient the sum over the ranks that hold its copies
+    divided by W, the group's size, not by the copies: against the rule from every rank's seeded
+    gradients, in the same 7 layouts; a result that follows another rule is named."""
     raise_if_untouched(ex.sync_gradients)
     world = LAYOUTS[layout][0]
     for rank, cases in enumerate(results(layout)):
@@ -187,6 +193,8 @@ def test_expert_gradients_become_the_sum_over_copies_divided_by_w(ex, layout):
 @pytest.mark.task11_5
 @pytest.mark.parametrize("layout", ["dp 2 x ep 2", "two groups of ep 2"])
 def test_gradients_change_in_place(ex, layout):
+    """sync_gradients changes every `.grad` in place (the same tensor, the same memory) and returns
+    None: dp 2 × ep 2, and two groups of ep 2, on 4 gloo ranks."""
     raise_if_untouched(ex.sync_gradients)
     for rank, cases in enumerate(results(layout)):
         for case, found in enumerate(cases):

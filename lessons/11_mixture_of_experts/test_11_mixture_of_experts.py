@@ -44,6 +44,7 @@ from harness.ranks import run_on_ranks
 from lesson11.common import GROUPS, LESSON, TIGHT, loop_route, seeded
 
 WIDTH, TOKENS = 8, 12
+LOOSE = {"rtol": 1e-5, "atol": 1e-5}  # float32 where grouped_mm sums in its own order
 
 
 def moe_module():
@@ -65,6 +66,12 @@ def layer_of(moe, num_experts: int, k: int, capacity_factor, shun_last: bool):
 
 @pytest.mark.parametrize("k, capacity_factor", [(1, None), (2, None), (1, 1.0), (2, 0.5)])
 def test_moe_layer_is_the_loop_over_tokens_and_experts(k, capacity_factor):
+    """moe.py's MoE is the loop over tokens and their kept experts, each expert's output weighed by
+    its gate weight and a dropped one 0: 12 tokens of width 8, 4 experts, top-1 and top-2, no
+    capacity or a factor of 1 or 0.5, in float64.
+
+    At a factor of 0.5 at least half the assignments are dropped, at the capacity the text's formula
+    gives."""
     moe = moe_module()
     layer = layer_of(moe, 4, k, capacity_factor, shun_last=False)
     x = seeded(1, 2, TOKENS // 2, WIDTH)
@@ -85,9 +92,9 @@ def test_moe_layer_is_the_loop_over_tokens_and_experts(k, capacity_factor):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_the_task_loss_gives_the_router_a_gradient(k):
-    """The text: for k = 1 the weight is the probability p itself, "since p / p = 1 would give
-    the router no gradient": the loss, without the load-balancing loss, moves the router at
-    k = 1 as at k = 2."""
+    """The task loss alone, without the load-balancing loss, moves MoE's router at k = 1 as at k = 2
+    (a gradient above 1e-3): for k = 1 the weight is the probability p itself, since p / p = 1 would
+    give the router no gradient."""
     layer = layer_of(moe_module(), 4, k, None, shun_last=False)
     out, _ = layer(seeded(6, TOKENS, WIDTH))
     (out * seeded(7, TOKENS, WIDTH)).sum().backward()
@@ -97,6 +104,9 @@ def test_the_task_loss_gives_the_router_a_gradient(k):
 
 
 def test_load_balancing_loss_is_switchs_formula():
+    """moe.py's load-balancing loss is Switch Transformer's `E * sum_e f_e * P_e`, worked out by
+    counting (12 tokens, 4 experts, top-2); its gradient flows through P_e alone, and it is 1 for a
+    uniform router."""
     moe = moe_module()
     logits = seeded(2, TOKENS, 4).requires_grad_(True)
     probs = logits.softmax(dim=-1)
@@ -155,6 +165,13 @@ def ep_run(ctx, num_experts: int, k: int, capacity_factor, shun_last: bool) -> d
 @pytest.mark.parametrize("k, capacity_factor", [(1, None), (2, None), (2, 1.0)])
 @pytest.mark.parametrize("group_case", [g for g in GROUPS if g.values[0][0] in (1, 2, 4)])
 def test_expert_parallel_is_the_layer_in_one_process(group_case, k, capacity_factor, shun_last):
+    """moe.py's expert_parallel gives each rank the layer's output and input gradient in one
+    process, the router the sum of every rank's gradient, each held expert its gradient, and others'
+    experts none: 1, 2 and 4 gloo ranks, top-1 and top-2, with and without a capacity, one expert
+    idle or not.
+
+    The forward sends the counts (E numbers), this rank's kept rows, and the rows it received back;
+    the backward the same two the other way; each of exactly those bytes."""
     world, backend, device = group_case
     num_experts = 2 * world if world > 1 else 3
     results = run_on_ranks(ep_run, num_experts, k, capacity_factor, shun_last,
@@ -188,6 +205,9 @@ def test_expert_parallel_is_the_layer_in_one_process(group_case, k, capacity_fac
 
 @pytest.mark.slow  # a torchrun launch
 def test_script_matches_one_process(script_run):
+    """moe.py under torchrun on 2 ranks, 32 tokens of width 16, differs from one process by less
+    than 1e-5 in everything it compares, and its tokens per expert and dropped assignments add up to
+    every token's 2 choices, some dropped at a capacity factor of 1."""
     run = script_run.result()
     print(run.output)
     ranks = run.data["ranks"]
@@ -200,12 +220,34 @@ def test_script_matches_one_process(script_run):
 
 
 def test_renormalising_after_top_k_is_a_softmax_over_the_chosen_logits():
-    """The text's aside: Mixtral's softmax over the k chosen logits gives route's weights."""
+    """route's top-2 weights are a softmax over the 2 chosen logits, Mixtral's form: 12 tokens, 6
+    experts, in float64."""
     moe = moe_module()
     logits = seeded(5, TOKENS, 6)
     experts, weights, _ = moe.route(logits, 2)
     assert_close(weights, logits.gather(-1, experts).softmax(dim=-1),
                  "the weights against a softmax over the chosen logits", **TIGHT)
+
+
+@pytest.mark.parametrize("case", ["grouped_mm", "float64", "no grouped_mm", "6 columns"])
+def test_grouped_matmul_is_the_loop_over_groups_either_way(ex, monkeypatch, capsys, case):
+    """The exercise file's grouped_matmul equals a loop over 4 groups of 3, 0, 5 and 2 rows with
+    torch's grouped_mm (float32, 8 columns) and without it (float64; a torch without grouped_mm;
+    6 float32 columns), and says why it loops once, however often it is called."""
+    generator = torch.Generator().manual_seed(0)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    columns = 6 if case == "6 columns" else 8
+    x = torch.randn(10, columns, generator=generator, dtype=dtype)
+    w = torch.randn(4, columns, 8, generator=generator, dtype=dtype)
+    offs = torch.tensor([3, 3, 8, 10], dtype=torch.int32)
+    if case == "no grouped_mm":
+        monkeypatch.delattr(torch.nn.functional, "grouped_mm", raising=False)
+    monkeypatch.setattr(ex, "_said_fallback", [])
+    want = torch.cat([x[0:3] @ w[0], x[3:3] @ w[1], x[3:8] @ w[2], x[8:10] @ w[3]])
+    for _ in range(2):
+        assert_close(ex.grouped_matmul(x, w, offs), want, f"grouped_matmul ({case})", **LOOSE)
+    said = capsys.readouterr().out
+    assert said.count("looping over the groups") == (0 if case == "grouped_mm" else 1), said
 
 
 def at_least_2_14() -> bool:
@@ -246,10 +288,12 @@ def torch_a2a_run(ctx, sizes) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_torchs_differentiable_all_to_alls_agree(world):
-    """The text: in torch 2.14 `_functional_collectives.all_to_all_single` is differentiable,
-    as is its older name `all_to_all_single_autograd`; `nn.functional.all_to_all_single` is
-    too, but deprecated. Each against AllToAll, outputs and gradients, with uneven sizes and
-    zeros."""
+    """torch's `_functional_collectives.all_to_all_single`, `all_to_all_single_autograd` and the
+    deprecated `nn.functional.all_to_all_single` give AllToAll's outputs and gradients, on 2 and 4
+    gloo ranks with uneven sizes and zeros; from torch 2.14 the first is differentiable and only the
+    last warns.
+
+    The warning is a FutureWarning. An older torch is only asked what it has kept since."""
     sizes = [[(s + 2 * d) % 3 for d in range(world)] for s in range(world)]
     for rank, found in enumerate(run_on_ranks(torch_a2a_run, sizes, world_size=world)):
         if at_least_2_14():
@@ -286,8 +330,9 @@ def ddp_broadcast_run(ctx) -> dict:
 
 
 def test_plain_ddp_would_overwrite_every_ranks_experts_with_rank_0s():
-    """The text: "Plain DDP would first broadcast process 0's parameters over the others' as it
-    wraps the model" (init_sync, on by default): 2 gloo ranks, each with other weights."""
+    """Wrapping a model in plain DDP overwrites rank 1's parameters with rank 0's and leaves rank
+    0's as they were: 2 gloo ranks, each with its own seeded Linear (DDP's init_sync, on by
+    default)."""
     found = run_on_ranks(ddp_broadcast_run, world_size=2)
     assert not found[0]["changed"], "DDP changed rank 0's own parameters"
     assert found[1]["changed"] and found[1]["equal_to_rank_0"], (
@@ -365,9 +410,13 @@ def ep_gradients_on_rank(ctx, ep: int, batch: int = 4, aux_weight: float = 0.01)
 @pytest.mark.parametrize("world, ep", [(2, 2), (2, 1), (4, 2), (4, 4)],
                          ids=["ep2", "dp2", "dp2xep2", "ep4"])
 def test_train_ep_steps_give_the_gradients_of_one_process(world, ep):
-    """train_ep.py's model and gradient sync: after one step every rank's gradient of every
-    parameter it holds (the experts it keeps, and all the rest) is the gradient of the mean of
-    the ranks' losses in one process, the capacity and the load-balancing loss included."""
+    """train_ep.py's model and sync_gradients, after one step with a capacity factor of 1.25 and the
+    load-balancing loss, give every parameter a rank holds the gradient of the mean of the ranks'
+    losses in one process: 2 and 4 gloo ranks, ep 2, dp 2, dp 2 × ep 2 and ep 4.
+
+    Each rank holds 1/ep of the expert tensors; each block's loads add up to every token's k
+    assignments, dropped ones included (what moe_costs.py counts); whole_state names every expert as
+    one process does."""
     want = one_process_gradients(world)
     for rank, got in enumerate(run_on_ranks(ep_gradients_on_rank, ep, world_size=world)):
         for loads in got.pop("loads"):  # what moe_costs.py counts: every assignment, dropped too
@@ -394,9 +443,9 @@ def ep_fit_on_rank(ctx, batch_size: int) -> dict:
 
 
 def test_train_ep_trains_what_one_process_trains():
-    """train_ep.py's fit on 2 ranks, ep 2 with 8 windows a rank, nothing dropped and no
-    auxiliary loss: the losses and every parameter (every expert, gathered) of one process
-    with every expert on batches of 16; the same text sampled before and after training."""
+    """train_ep.py's fit on 2 gloo ranks, ep 2 with 8 windows a rank, nothing dropped and no
+    auxiliary loss, trains what one process with every expert trains on batches of 16: losses,
+    accuracy and every parameter (experts gathered) to lesson 03's bound, and the same samples."""
     reference = run_on_ranks(ep_fit_on_rank, 16, world_size=1, timeout=120)[0]
     split = run_on_ranks(ep_fit_on_rank, 8, world_size=2, timeout=120)[0]
     data = split["result"]
@@ -420,8 +469,9 @@ def test_train_ep_trains_what_one_process_trains():
 ])
 def test_train_ep_refuses_a_degree_that_does_not_fit(outside_launcher, monkeypatch, capsys,
                                                      argv, env, said):
-    """Before any process group: the degree divides the processes and the experts, k is 1 to
-    the experts, and a capacity factor is not negative."""
+    """train_ep.py refuses, before any process group and with status 2, an `--ep` that does not
+    divide the processes or the experts, a `--k` outside 1 to the experts, and a negative capacity
+    factor, each in one error naming the script and the numbers."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert train_ep_module().main(argv) == 2

@@ -1,7 +1,8 @@
 """Lesson 11 exercises: mixture of experts. The router's top-k choice with a capacity per expert,
 the plan that groups a rank's tokens by the rank holding their expert, the all-to-all that
-carries them there and their gradients back, the expert-parallel layer built from them, and
-which ranks average which gradient when the experts are data parallel too.
+carries them there and their gradients back, the expert-parallel layer built from them,
+which ranks average which gradient when the experts are data parallel too; then dropless
+experts as one grouped matrix multiply, and DeepSeek-V3's routing with its balancing bias.
 
 Grade with ``pytest lessons/11_mixture_of_experts`` (one task: ``-m task11_1``). Each function's
 docstring is its contract: what it takes, what it returns, and what the test checks.
@@ -231,3 +232,158 @@ def sync_gradients(replicated, experts, copies=None, group=None) -> None:
             dist.all_reduce(parameter.grad, group=copies)
         parameter.grad.div_(world)
 # --8<-- [end:sync_gradients]
+
+
+# --8<-- [start:grouped_matmul]
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_said_fallback = []  # the reasons already printed: each is said once per process
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Given, not a task: ``x`` (N, a) holds the groups' rows one after another, ``w`` (G, a, b)
+    one matrix per group, ``offs`` (G,) int32 where each group's rows end (``offs[-1] = N``).
+    Returns (N, b): group g's rows times ``w[g]``.
+
+    ``torch.nn.functional.grouped_mm`` does it in one call where this torch has it (2.11 does)
+    and takes these tensors: float32, bfloat16 or float16, each row a multiple of 16 bytes.
+    Otherwise (older torch, float64, rows of other widths) a loop over the groups gives the same
+    result, and says why once.
+    """
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+    row_bytes = {x.shape[1] * x.element_size(), w.shape[2] * w.element_size()}
+    if grouped_mm is None:
+        reason = f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    elif x.dtype not in GROUPED_MM_DTYPES or w.dtype != x.dtype:
+        reason = f"grouped_mm takes float32, bfloat16 or float16, not {x.dtype}"
+    elif any(size % 16 for size in row_bytes):
+        reason = f"grouped_mm wants rows of a multiple of 16 bytes, not {sorted(row_bytes)}"
+    else:
+        return grouped_mm(x, w, offs=offs)
+    if reason not in _said_fallback:
+        _said_fallback.append(reason)
+        print(f"grouped_matmul: {reason}; looping over the groups instead")
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    out = [x[start:end] @ w[g] for g, (start, end) in enumerate(zip(starts, ends, strict=True))]
+    return torch.cat(out) if out else x.new_zeros(0, w.shape[2])
+# --8<-- [end:grouped_matmul]
+
+
+# --8<-- [start:grouped_experts]
+def grouped_experts(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                    w_in: torch.Tensor, w_out: torch.Tensor, align: int = 8) -> torch.Tensor:
+    """Dropless experts: every assignment runs, each expert's rows as one group of a grouped
+    matrix multiply.
+
+    ``tokens``: (T, d). ``experts``, ``weights``: (T, k), each token's k expert ids (0..E-1)
+    and gate weights. ``w_in``: (E, d, h) and ``w_out``: (E, h, d), the E experts' stacked
+    weights: expert e maps a row x to ``gelu(x @ w_in[e]) @ w_out[e]`` (the running example's
+    MLP, without biases). Returns (T, d): for each token, the sum over its k assignments of
+    weight × expert(token). No capacity: nothing is dropped.
+
+    1. Sort the T * k assignments by expert id (flat index ``t * k + j``, as in task11_2), so
+       that each expert's rows are contiguous.
+    2. Lay them out in one zero-filled buffer where each expert's group is padded with zero rows
+       to a multiple of ``align`` rows (an expert with no rows: 0 rows), which is what grouped
+       kernels want.
+    3. Run the experts as ``grouped_matmul`` (above) twice, once with ``w_in`` and once with
+       ``w_out``, with ``offs`` the int32 ends of the padded groups, the gelu between them.
+    4. Drop the padding rows, put each row back at its assignment (the inverse of the sort),
+       weigh it by its gate weight and sum over the k choices.
+
+    Differentiable with respect to ``tokens``, ``weights``, ``w_in`` and ``w_out``. An
+    ``align`` below 1, an expert id outside 0..E-1, or ``weights`` not shaped like ``experts``
+    raises ``ValueError`` naming the number.
+
+    The test sweeps generated routings (uneven loads, an expert with no rows, k = 1 and 2,
+    align 1, 3 and 8) against a plain loop over the experts: the output and the gradients of
+    tokens, weights, w_in and w_out; and it watches grouped_matmul's two calls and their
+    offsets.
+    """
+    num_experts, k = w_in.shape[0], experts.shape[1]
+    if align < 1:
+        raise ValueError(f"align = {align}: pad each group to a multiple of 1 or more rows")
+    if weights.shape != experts.shape:
+        raise ValueError(f"weights are {tuple(weights.shape)}, experts {tuple(experts.shape)}: "
+                         f"one gate weight per assignment")
+    if experts.numel() and not 0 <= int(experts.min()) <= int(experts.max()) < num_experts:
+        bad = int(experts.max()) if int(experts.max()) >= num_experts else int(experts.min())
+        raise ValueError(f"expert id {bad}: the ids run from 0 to {num_experts - 1}")
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # sorted place -> flat assignment t * k + j
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + align - 1) // align * align  # each group's rows, padding included
+    first = torch.cumsum(padded, dim=0) - padded  # where each group starts in the buffer
+    before = torch.cumsum(counts, dim=0) - counts  # where it starts without padding
+    sorted_experts = flat[order]
+    rows = first[sorted_experts] + torch.arange(flat.numel(), device=flat.device) \
+        - before[sorted_experts]  # the buffer row of each sorted assignment
+    x = tokens.new_zeros(int(padded.sum()), tokens.shape[1])
+    x = x.index_copy(0, rows, tokens[order // k])
+    offs = torch.cumsum(padded, dim=0).to(torch.int32)
+    hidden = torch.nn.functional.gelu(grouped_matmul(x, w_in, offs))
+    done = grouped_matmul(hidden, w_out, offs)[rows]  # the padding dropped, in sorted order
+    # back to flat order: the row at sorted place p belongs to assignment order[p]
+    per_assignment = done.new_zeros(done.shape).index_copy(0, order, done)
+    return (per_assignment.view(*experts.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+# --8<-- [end:grouped_experts]
+
+
+# --8<-- [start:biased_route]
+def biased_route(logits: torch.Tensor, bias: torch.Tensor, k: int):
+    """DeepSeek-V3's routing: sigmoid affinities, a per-expert bias that steers only the choice.
+
+    ``logits``: (T, E), the router's scores (the logits as given: ``u_t @ e_i``). ``bias``:
+    (E,), one number per expert. Returns ``(experts, weights)``, each (T, k):
+
+    - the affinities are ``s = sigmoid(logits)``;
+    - ``experts[t]``: the k experts with the largest ``s[t] + bias``, largest first (equal
+      values may come in any order; the test draws none);
+    - ``weights[t, j]``: the chosen experts' affinities ``s`` normalised among the chosen,
+      ``s[t, e_j] / sum over j' of s[t, e_j']``; the bias does not enter them. Differentiable
+      with respect to ``logits``.
+
+    ``k`` outside 1..E, or a ``bias`` that is not (E,), raises ``ValueError`` naming the
+    numbers.
+
+    The test sweeps generated logits, biases and k against a loop over tokens and experts: the
+    experts and their order, the weights and their gradient by the logits.
+    """
+    num_experts = logits.shape[1]
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k = {k}: choose 1 to {num_experts} of the {num_experts} experts")
+    if bias.shape != (num_experts,):
+        raise ValueError(f"bias is {tuple(bias.shape)}: one number for each of the "
+                         f"{num_experts} experts, ({num_experts},)")
+    scores = logits.sigmoid()
+    experts = (scores.detach() + bias).topk(k, dim=-1).indices  # the bias only chooses
+    chosen = scores.gather(-1, experts)
+    return experts, chosen / chosen.sum(dim=-1, keepdim=True)
+# --8<-- [end:biased_route]
+
+
+# --8<-- [start:update_bias]
+def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balance, after a step: a new (E,) bias.
+
+    ``load``: (E,), how many assignments each expert received in the step (the whole batch).
+    An expert is overloaded when its load is above the mean load over the E experts, and
+    underloaded when below. Its bias **decreases by** ``rate`` when overloaded, **increases
+    by** ``rate`` when underloaded, and stays when its load equals the mean: the step is the
+    sign of the error, never its size. Returns a new tensor, ``bias``' dtype; ``bias`` is left
+    as it was.
+
+    A negative ``rate``, or a ``load`` not shaped like ``bias``, raises ``ValueError`` naming
+    it.
+
+    The test sweeps generated biases, loads (ties with the mean among them) and rates against
+    that rule, elementwise.
+    """
+    if rate < 0:
+        raise ValueError(f"rate = {rate}: the bias update speed is 0 or more")
+    if load.shape != bias.shape:
+        raise ValueError(f"load is {tuple(load.shape)}, bias {tuple(bias.shape)}: one load "
+                         f"per expert")
+    load = load.to(torch.float64)
+    return bias + rate * torch.sign(load.mean() - load).to(bias.dtype)
+# --8<-- [end:update_bias]
