@@ -284,4 +284,135 @@ CLAIMS: list[Sourced] = [
             "with no backend but a device_id, the backend comes from default_device_backend_map "
             "(cuda: nccl) before timeout = _get_default_timeout(backend), which gives 10 minutes "
             "only for backend == \"nccl\""),
+    Sourced("10_long_sequences", "can be re-split by heads for the length of attention",
+            "paper: Jacobs et al., DeepSpeed Ulysses: System Optimizations for Enabling Training "
+            "of Extreme Long Sequence Transformer Models (arXiv 2309.14509), section 3 (system "
+            "design) and its figure 2",
+            "arXiv 2309.14509",
+            "the input is partitioned along the sequence; before attention an all-to-all on q, "
+            "k and v gives each GPU the full sequence for a non-overlapping subset of the heads; "
+            "after attention a second all-to-all re-partitions the output along the sequence"),
+    Sourced("10_long_sequences", "its volume stays constant when the sequence and the devices "
+            "grow together",
+            "paper: Jacobs et al., DeepSpeed Ulysses (arXiv 2309.14509), abstract and section 3 "
+            "(communication analysis)",
+            "arXiv 2309.14509",
+            "\"DeepSpeed-Ulysses maintains constant communication volume when sequence length "
+            "and compute devices are increased proportionally\"; the all-to-alls carry 3Nh "
+            "(q, k, v) and Nh (output), 4Nh/P per link"),
+    Sourced("10_long_sequences", "runs Ulysses inside groups of consecutive ranks",
+            "paper: Fang and Zhao, USP: A Unified Sequence Parallelism Approach for Long Context "
+            "Generative AI (arXiv 2405.07719); repo: feifeibear/long-context-attention "
+            "yunchang/globals.py, set_seq_parallel_pg (commit 56118e0)",
+            "arXiv 2405.07719; yunchang commit 56118e0",
+            "sp degree = ulysses degree x ring degree; with use_ulysses_low=True (the default) "
+            "each Ulysses group is a run of consecutive ranks and each ring takes the ranks at "
+            "the same place in every group"),
+    Sourced("10_long_sequences", "reports the hybrid fastest on 8 PCIe GPUs",
+            "repo: feifeibear/long-context-attention README.md, \"Benchmark\" (\"Some "
+            "Conclusions\" 1 and 4) (commit 56118e0)",
+            "yunchang commit 56118e0",
+            "\"The All-to-All communication of Ulysses is highly efficient within a single "
+            "machine\"; \"on an 8-GPU L20 setup, the optimal performance is achieved when "
+            "ulysess_degree is set to 2 and ring_degree is set to 4\" (an 8xL20 PCIe machine)"),
+    Sourced("10_long_sequences", "Its all-to-alls are fast inside a node",
+            "repo: feifeibear/long-context-attention README.md, \"Some Conclusions\" 1 and "
+            "\"Why not apply Ulysses and Ring Attention Individually?\" (commit 56118e0)",
+            "yunchang commit 56118e0",
+            "Ulysses' all-to-all is highly efficient within a single machine; its degree cannot "
+            "exceed the number of heads; ring attention overlaps its point-to-point transfers "
+            "with computation"),
+    Sourced("10_long_sequences", "torchtitan (`trainer.py`'s `train_step`, commit b5bcd76)",
+            "repo: pytorch/torchtitan torchtitan/trainer.py, Trainer.train_step; "
+            "torchtitan/components/loss.py, CrossEntropyLoss.__call__; "
+            "torchtitan/distributed/fsdp.py, disable_fsdp_gradient_division (commit b5bcd76)",
+            "torchtitan commit b5bcd76",
+            "local_valid_tokens += (labels != IGNORE_INDEX).sum() over every micro-batch of the "
+            "step, dist_sum_tensor over the \"batch\" mesh; the loss is the reduction=\"sum\" "
+            "cross-entropy / global_valid_tokens; disable_fsdp_gradient_division (called from "
+            "apply_fsdp_to_decoder) calls module.set_gradient_divide_factor(1.0) on every FSDP "
+            "module"),
+    Sourced("10_long_sequences", "does it with `calculate_per_token_loss=True`",
+            "repo: NVIDIA/Megatron-LM megatron/core/distributed/finalize_model_grads.py, "
+            "finalize_model_grads; megatron/core/distributed/distributed_data_parallel.py "
+            "(gradient_scaling_factor); megatron/core/pipeline_parallel/schedules.py, "
+            "forward_step_calc_loss (commit d98e8a6)",
+            "Megatron-LM commit d98e8a6",
+            "with calculate_per_token_loss, gradient_scaling_factor = 1.0; finalize_model_grads "
+            "all-reduces num_tokens over dp_cp_group and scales the gradients by "
+            "1 / clamp(num_tokens, min=1); without it forward_step_calc_loss divides each "
+            "micro-batch's loss by clamp(num_tokens, min=1) and by num_microbatches (for a loss "
+            "function that returns three values)"),
+    Sourced("11_mixture_of_experts", "torch 2.11 has it",
+            "release: pytorch/pytorch pull request 168298 (\"Add public grouped_mm\", November "
+            "2025); torch 2.11.0's torch/nn/functional.py, grouped_mm",
+            "torch 2.11.0+cu130 wheel",
+            "defines grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None), which "
+            "returns torch._grouped_mm(...); on the CPU it ran float32, bfloat16 and float16 "
+            "and refused float64 there as in 2.14 (tests/test_torch_claims.py asks the torch it "
+            "runs on)"),
+    Sourced("11_mixture_of_experts", "bfloat16 on compute capability 9.x or 10.x runs one "
+            "grouped kernel with no wait for the host",
+            "repo: pytorch/pytorch aten/src/ATen/native/cuda/GroupedBlas.cpp, _grouped_mm_cuda; "
+            "aten/src/ATen/native/GroupedMMUtils.h, _grouped_mm_fallback (commit 00d4eaf)",
+            "pytorch main, commit 00d4eaf",
+            "use_fast_path = _scaled_mm_allowed_device(sm90_only, sm100_only) (a device whose "
+            "major compute capability is 9 or 10) && a, b and out "
+            "bfloat16 -> bf16bf16_grouped_mm (\"fast path, no d2h sync needed\"); else "
+            "_grouped_mm_fallback, which copies offs to the CPU (offs.value().cpu()) and calls "
+            "at::mm_out on each group's slice"),
+    Sourced("11_mixture_of_experts", "takes its split sizes as Python lists of ints",
+            "torch:distributed/distributed_c10d.py:all_to_all_single",
+            "torch 2.14.1",
+            "output_split_sizes: list[int] | None, input_split_sizes: list[int] | None; the "
+            "docstring: \"(list[Int], optional)\""),
+    Sourced("11_mixture_of_experts", "a blocking copy to the host (`.tolist()`, `.item()`) waits "
+            "for the work queued before it",
+            "repo: pytorch/pytorch docs/source/notes/cuda.rst, \"Asynchronous execution\"",
+            "PyTorch documentation, CUDA semantics",
+            "GPU operations are enqueued; \"PyTorch automatically performs necessary "
+            "synchronization when copying data between CPU and GPU or between two GPUs\"; only "
+            "a non_blocking copy (to pinned memory) returns before the data is there"),
+    Sourced("11_mixture_of_experts", "DeepSeek-V3 uses 32-way expert parallelism for prefilling",
+            "paper: DeepSeek-AI, DeepSeek-V3 Technical Report (arXiv 2412.19437), section "
+            "3.4.1, Prefilling",
+            "arXiv 2412.19437v2",
+            "\"For the MoE part, we use 32-way Expert Parallelism (EP32), which ensures that each "
+            "expert processes a sufficiently large batch size, thereby enhancing computational "
+            "efficiency\""),
+    Sourced("11_mixture_of_experts", "A dropless layer (DeepSeek-V3's) keeps every assignment",
+            "paper: DeepSeek-AI, DeepSeek-V3 Technical Report (arXiv 2412.19437), section "
+            "2.1.2, \"No Token-Dropping\"",
+            "arXiv 2412.19437v2",
+            "\"DeepSeek-V3 does not drop any tokens during training\" (nor during inference)"),
+    Sourced("11_mixture_of_experts", "each overloaded expert's bias goes down by",
+            "paper: DeepSeek-AI, DeepSeek-V3 Technical Report (arXiv 2412.19437), section "
+            "2.1.2, \"Auxiliary-Loss-Free Load Balancing\", equations 15-16",
+            "arXiv 2412.19437v2",
+            "s_i,t = Sigmoid(u_t^T e_i); g'_i,t = s_i,t if s_i,t + b_i is in the top K_r of "
+            "{s_j,t + b_j}; \"the bias term is only used for routing\"; \"we keep monitoring "
+            "the expert load on the whole batch of each training step. At the end of each step, "
+            "we will decrease the bias term by gamma if its corresponding expert is overloaded, "
+            "and increase it by gamma if its corresponding expert is underloaded\" (the paper "
+            "does not define overloaded; the task takes above the mean load)"),
+    Sourced("11_mixture_of_experts", "adds, beside the routed experts' weighted sum",
+            "paper: DeepSeek-AI, DeepSeek-V3 Technical Report (arXiv 2412.19437), section "
+            "2.1.2, equation 12",
+            "arXiv 2412.19437v2",
+            "h'_t = u_t + sum_{i=1}^{N_s} FFN^(s)_i(u_t) + sum_{i=1}^{N_r} g_i,t FFN^(r)_i(u_t); "
+            "N_s shared experts, N_r routed"),
+    Sourced("11_mixture_of_experts", "It penalises large logits going into the router",
+            "paper: Zoph et al., ST-MoE (arXiv 2202.08906), section 3.3, equations 5-6, and "
+            "section 3.4, \"An aside on the router z-loss\"",
+            "arXiv 2202.08906",
+            "L_z(x) = 1/B sum_i (log sum_j e^{x_j^(i)})^2, B tokens, N experts, x the logits "
+            "going into the router; \"This penalizes large logits into the gating network\"; "
+            "roundoff errors in exponentials (bfloat16's up to 65,536x float32's) change the "
+            "routing and the probability that scales an expert's output; c_z = 0.001 in "
+            "L_tot = L_CE + c_B L_B + c_z L_Z"),
+    Sourced("11_mixture_of_experts", "builds for CUDA 13.3 and later add a cuBLASLt path",
+            "torch:_meta_registrations.py:_grouped_mm_fp16_cublaslt_supported",
+            "torch 2.14.1",
+            "float16 grouped_mm \"requires cuBLASLt grouped GEMM support\": a CUDA device, 1 to "
+            "1024 groups, torch.version.cuda >= (13, 3) and compute capability 9 to 11"),
 ]

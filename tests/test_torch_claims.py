@@ -1088,9 +1088,10 @@ def test_a_pipelines_step_follows_its_slowest_stage():
 
 
 def test_bf16_and_fp16_mantissas_and_ranges():
-    """08 README: bf16 "stores 7 mantissa bits (8 significant bits with the implicit leading
+    r"""08 README: bf16 "stores 7 mantissa bits (8 significant bits with the implicit leading
     one: a relative rounding error of up to $2^{-8}$, 0.4 %)" with fp32's exponent range; fp16
-    "stores 10 mantissa bits" and "its largest number is 65504, bf16's about $3.4 \times 10^{38}$"."""
+    "stores 10 mantissa bits" and "its largest number is 65504, bf16's about
+    $3.4 \times 10^{38}$"."""
     bf16, fp16, fp32 = (torch.finfo(t) for t in (torch.bfloat16, torch.float16, torch.float32))
     assert bf16.eps == 2.0**-7 and fp16.eps == 2.0**-10  # eps = 2^-(stored mantissa bits)
     assert bf16.max == pytest.approx(3.39e38, rel=1e-2) and fp16.max == 65504
@@ -2538,3 +2539,35 @@ def test_a_model_built_on_the_meta_device_peaks_at_its_shards():
     assert got["meta"] <= got["shards"] + 3 * got["largest"] < got["whole"], got
     assert got["equal"], "the meta-built model differs from the eager one"
 
+
+def test_grouped_mm_on_the_cpu_takes_these_dtypes_and_rows():
+    """11 README, "grouped_mm across versions": on the CPU, `grouped_mm` takes float32, bfloat16
+    and float16 but not float64, int32 offsets only, and rows whose length in bytes is a
+    multiple of 16 (8 float32 columns, not 6); and "`grouped_mm` itself takes any sizes, 0
+    included", differentiably: each result equals the loop over the groups, gradients too."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+    if grouped_mm is None:
+        pytest.skip(f"needs torch.nn.functional.grouped_mm (torch {torch.__version__} has none)")
+    offs = torch.tensor([3, 3, 8, 9], dtype=torch.int32)  # a group of 0 rows, uneven ones
+
+    def both(dtype, columns=8):
+        x = torch.randn(9, columns, dtype=dtype, requires_grad=True)
+        w = torch.randn(4, columns, 8, dtype=dtype, requires_grad=True)
+        got = grouped_mm(x, w, offs=offs)
+        starts = [0, 3, 3, 8]
+        want = torch.cat([x[a:b] @ w[g]
+                          for g, (a, b) in enumerate(zip(starts, offs, strict=True))])
+        probe = torch.randn(got.shape, dtype=dtype)  # a dense gradient (sum()'s is stride 0)
+        grads = torch.autograd.grad(got, (x, w), probe)
+        want_grads = torch.autograd.grad(want, (x, w), probe)
+        return [(a.float() - b.float()).abs().max().item()
+                for a, b in zip((got, *grads), (want, *want_grads), strict=True)]
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert max(both(dtype)) < (1e-5 if dtype == torch.float32 else 0.1), dtype
+    with pytest.raises(RuntimeError, match="Float32, BFloat16 or Float16"):
+        both(torch.float64)
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        both(torch.float32, columns=6)
+    with pytest.raises(RuntimeError, match="int32"):
+        grouped_mm(torch.randn(9, 8), torch.randn(4, 8, 8), offs=offs.long())
