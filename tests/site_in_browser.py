@@ -263,8 +263,10 @@ PROBLEMS_JS = r"""(() => {
 # Code and output blocks a reader has to scroll sideways: how many, and the widest's overflow.
 WIDE_CODE_JS = """JSON.stringify([...document.querySelectorAll("article pre > code")]
   .filter(e => e.scrollWidth > e.clientWidth + 1 && e.offsetParent !== null)
-  .map(e => [e.scrollWidth, e.clientWidth, e.textContent.split("\\n").find(
-      l => l.length === Math.max(...e.textContent.split("\\n").map(x => x.length))).slice(0, 50)]))"""
+  .map(e => { const lines = e.textContent.split("\\n");
+              const longest = Math.max(...lines.map(x => x.length));
+              return [e.scrollWidth, e.clientWidth,
+                      lines.find(l => l.length === longest).slice(0, 50)]; }))"""
 
 # Where each diagram and displayed formula is, in page coordinates, for --diagrams.
 DIAGRAMS_JS = """JSON.stringify([...document.querySelectorAll(
