@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -583,6 +584,12 @@ def collectives_counted(ctx):
         dist.broadcast(torch.ones(5), src=0)
     restored = dist.all_reduce is log_real_all_reduce() and alias.gather is gather
     del whole
+    # The log holds the output weakly: it goes once gloo's work lets go of it too, which on a
+    # loaded machine can be a moment after the call returns.
+    deadline = time.monotonic() + 5
+    while log.of("all_gather")[0].alive() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
     return {"ops": [(c.op, c.payload) for c in log.calls], "ring": log.ring_bytes(ctx.world_size),
             "summary": log.summary(), "restored": restored,
             "gathered_freed": not log.of("all_gather")[0].alive()}

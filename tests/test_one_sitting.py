@@ -17,9 +17,11 @@ from course.manifest import COURSE, Lesson
 from harness.exercises import REPO_ROOT
 
 
-@pytest.mark.parametrize("lesson", COURSE, ids=[lesson.folder for lesson in COURSE])
-def test_the_main_path_fits_one_sitting(lesson):
+# Parametrised by folder name: other test files read every item's "lesson" parameter as a string.
+@pytest.mark.parametrize("folder", [lesson.folder for lesson in COURSE])
+def test_the_main_path_fits_one_sitting(folder):
     """Each lesson's main path is at most 6,000 words, or the limit the manifest gives it."""
+    lesson = next(lesson for lesson in COURSE if lesson.folder == folder)
     _, main = words.words(lesson)
     assert main <= words.limit(lesson), (
         f"lessons/{lesson.folder}/README.md has {main:,} words outside its collapsed blocks; the "
