@@ -10,6 +10,12 @@ skipped only when no query of the rank sees any of its keys; and zig-zag with ea
 trimmed to the keys some query sees and the queries that see some key (what PyTorch's context
 parallel does for its head-tail split). Rank 0 prints how far each is from one process, and
 how many scores each rank computed.
+
+    torchrun --standalone --nproc-per-node=2 lessons/10_long_sequences/ring_attention.py --torch-cp
+
+--torch-cp adds a fourth row: torch's own context_parallel around SDPA's memory-efficient CUDA
+kernel, in float32, forward and backward. It needs a GPU per process (nccl); two processes on one
+GPU cannot share it under NCCL, so a real split needs two GPUs.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where 
 from gpt import run  # noqa: E402 - the plumbing every script shares: setup, logging, results
 
 LAYOUTS = {"contiguous": False, "zigzag": False, "zigzag, trimmed": True}  # layout: trim?
+NEEDS_CUDA = ("--torch-cp needs CUDA GPUs, one per process (nccl): torch's context_parallel "
+              "attends across ranks only inside SDPA's flash, memory-efficient and cuDNN CUDA "
+              "kernels, and its dispatch table has none of SDPA's CPU kernels; without "
+              "--torch-cp this script runs the lesson's own ring anywhere")
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -181,6 +191,54 @@ def check(layout: str, whole: dict, reference: dict, rank: int, world: int, devi
             "scores_per_rank": scores}
 
 
+def torch_context_parallel(whole: dict, world: int, device) -> dict:
+    """The same attention with torch's ``context_parallel`` around SDPA's memory-efficient CUDA
+    kernel, in float32 (SDPA's CUDA kernels take no float64), against that kernel on the whole
+    sequence, forward and backward; the largest error over every rank, and each rank's tokens."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = run.device_mesh("cuda", (world,), ("cp",))  # one dimension, cp; a 2-D mesh: the same
+    whole = {name: t.float() for name, t in whole.items()}
+    length = whole["q"].shape[2]
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # both calls: this kernel or an error
+        q, k, v = (whole[name].clone().requires_grad_(True) for name in "qkv")
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (want * whole["c"]).sum().backward()
+        reference = {"out": want.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+        # Sharded in place on entry: from then on each holds this rank's tokens. Restoring them
+        # on exit would keep a whole copy of each meanwhile; we do not read them again.
+        buffers = [whole[name].clone() for name in "qkvc"] + [torch.arange(length, device=device)]
+        # --length divides by 2W (main checks): torch 2.11 asserts it for its head-tail split,
+        # which 2.14 falls back from to contiguous blocks otherwise.
+        with context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[2, 2, 2, 2, 0],
+                              no_restore_buffers=set(buffers)):
+            q, k, v = (t.requires_grad_(True) for t in buffers[:3])
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # torch's ring
+            (out * buffers[3]).sum().backward()  # inside too: the backward's ring is torch's
+        positions = buffers[4]  # where this rank's tokens sit: torch's head-tail split
+    got = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    error = torch.stack([(got[name] - reference[name].index_select(2, positions)).abs().max()
+                         for name in ("out", "q", "k", "v")])
+    dist.all_reduce(error, op=dist.ReduceOp.MAX)
+    held = [None] * world
+    dist.all_gather_object(held, positions.tolist())
+    return {"max_error": dict(zip(("out", "grad_q", "grad_k", "grad_v"), error.tolist(),
+                                  strict=True)),
+            "positions_per_rank": held, "kernel": "memory-efficient"}
+
+
+def spans(positions: list[int]) -> str:
+    """[0, 1, 2, 6, 7] -> "0-2+6-7": runs of consecutive positions."""
+    runs = []
+    for p in positions:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return "+".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
@@ -192,15 +250,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=run.positive_int, default=1)
     parser.add_argument("--result", type=Path, help="write the result as JSON to this path")
+    parser.add_argument("--torch-cp", action="store_true",
+                        help="also run torch's context_parallel (CUDA GPUs only)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.torch_cp and (args.backend == "gloo" or not torch.cuda.is_available()):
+        return run.refuse(__file__, NEEDS_CUDA)
     try:
         rank, world, device = run.setup(args.backend, __file__)
     except ValueError as err:
         return run.refuse(__file__, err)
+    if args.torch_cp and device.type != "cuda":  # auto chose gloo: fewer GPUs than processes
+        dist.destroy_process_group()
+        return run.refuse(__file__, NEEDS_CUDA)
     if args.length % (2 * world):
         dist.destroy_process_group()
         return run.refuse(__file__, f"--length {args.length} does not split into 2 x {world} "
@@ -226,6 +291,12 @@ def main(argv=None) -> int:
         result["layouts"][layout] = found
         log(f"{layout:<16} {max(found['max_error'].values()):>14.1e}   "
             + " ".join(f"{n:>6}" for n in found["scores_per_rank"]))
+    if args.torch_cp:
+        found = torch_context_parallel(whole, world, device)
+        result["torch_context_parallel"] = found
+        log(f"torch's context_parallel, SDPA's {found['kernel']} kernel, float32: largest "
+            f"error {max(found['max_error'].values()):.1e}; tokens per rank: "
+            + ", ".join(spans(held) for held in found["positions_per_rank"]))
     log(f"one process computes 2 x {args.length}^2 = {2 * args.length ** 2} scores (forward and "
         f"backward), {args.length * (args.length + 1)} of them visible under the causal mask")
     if args.result and rank == 0:

@@ -14,7 +14,10 @@ where present):
   own tokens': the first falls as 1/W², the second as 1/W;
 - under a causal mask contiguous blocks give the last rank about 2W - 1 times the first rank's
   work, zig-zag gives every rank the same; the script's counts show it, and trimming each block
-  to what its queries see removes the masked half of the zig-zag blocks.
+  to what its queries see removes the masked half of the zig-zag blocks;
+- documents packed in one sequence unbalance the head-tail split unless each is split on its own;
+- ring_attention.py --torch-cp refuses to start without CUDA, and on GPUs torch's
+  context_parallel gives the whole sequence's output and gradients.
 
 Each task's tests are in its own file, test_10_1_sequence_collectives.py to test_10_5_ring.py
 (what they share is in common.py and conftest.py); this file checks the lesson's claims and
@@ -42,6 +45,8 @@ from harness.ranks import group_params, run_on_ranks
 from lesson10.common import (
     LESSON,
     RING_GROUPS,
+    SCRIPT,
+    SCRIPT_ARGS,
     TIGHT,
     TRAIN,
     TRAIN_SCRIPT,
@@ -230,6 +235,26 @@ def test_contiguous_blocks_load_the_last_rank_and_zigzag_balances(world):
     assert len(set(zigzag)) == 1 and zigzag[0] == length * (length + 1) // 2 // world, zigzag
 
 
+def test_packed_documents_unbalance_the_head_tail_split_unless_each_is_split():
+    """Two documents of 4 and 12 tokens packed in one 16-token sequence, a causal mask within each
+    document, 2 ranks: the head-tail split of the sequence gives rank 0 52 visible (query, key)
+    pairs and rank 1 36; each document split head-tail on its own gives both 44."""
+    lengths, world = [4, 12], 2
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    position = torch.arange(sum(lengths))
+    sees = (document[:, None] == document[None, :]) & (position[None, :] <= position[:, None])
+
+    def pairs(held):
+        return int(sees[held].sum())
+
+    whole = [pairs(held) for held in split_positions("zigzag", sum(lengths), world)]
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+    per_document = [pairs(torch.cat([start + split_positions("zigzag", n, world)[rank]
+                                     for start, n in zip(starts, lengths, strict=True)]))
+                    for rank in range(world)]
+    assert whole == [52, 36] and per_document == [44, 44], (whole, per_document)
+
+
 @pytest.mark.slow
 def test_script_matches_one_process_and_counts_each_ranks_work(script_run):
     """ring_attention.py under torchrun on 4 ranks, 32 tokens, differs from one process by less than
@@ -269,6 +294,47 @@ def test_script_refuses_a_length_that_does_not_split(ring_script, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ring_attention.py" in err[0] and "--length 7" in err[0], err
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("argv, cuda", [(["--torch-cp"], False),
+                                        (["--torch-cp", "--backend", "gloo"], True)],
+                         ids=["no-cuda", "gloo"])
+def test_script_refuses_torch_cp_without_cuda(ring_script, capsys, monkeypatch, argv, cuda):
+    """ring_attention.py `--torch-cp` as one plain process, without CUDA or with `--backend gloo`,
+    exits with status 2 and one line saying that torch's ring runs only in SDPA's CUDA kernels
+    (tests/test_torch_claims.py asks torch), before any process group."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+
+    def setup(*args):
+        raise AssertionError("--torch-cp without CUDA started a process group before refusing")
+
+    monkeypatch.setattr(ring_script.run, "setup", setup)
+    assert ring_script.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ring_attention.py: error: --torch-cp needs CUDA "
+                                               "GPUs"), err
+    assert "flash, memory-efficient and cuDNN CUDA kernels" in err[0], err
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus", [pytest.param(n, marks=gpu_marks(n, f"nccl, cp {n}, a GPU per "
+                                                                     "rank"),
+                                               id=f"cp{n}") for n in (1, 2)])
+def test_script_runs_torchs_context_parallel_on_gpus(gpus):
+    """ring_attention.py `--torch-cp` under torchrun on 1 and 2 GPUs (nccl: one GPU per rank, so 2
+    ranks need 2 GPUs), 32 tokens: torch's context_parallel around SDPA's memory-efficient kernel
+    gives the output and gradients of that kernel on the whole sequence to 1e-4, each rank holding
+    chunks r and 2W - 1 - r.
+
+    Not yet run on a GPU."""
+    launch = run_script(SCRIPT, *SCRIPT_ARGS, "--torch-cp", launcher="torchrun", nproc=gpus)
+    found = launch.data["torch_context_parallel"]
+    assert max(found["max_error"].values()) < 1e-4, found["max_error"]
+    assert found["positions_per_rank"] == [p.tolist() for p in split_positions(
+        "zigzag", launch.data["length"], gpus)], found["positions_per_rank"]
+    assert "torch's context_parallel, SDPA's memory-efficient kernel" in launch.output, (
+        launch.output[-2000:])
 
 
 # ------------------------------------------------------- memory_by_length.py: memory against S
