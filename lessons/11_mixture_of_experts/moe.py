@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/, where gpt/ lives
 from gpt import GPTConfig, run  # noqa: E402 - the plumbing every script shares
@@ -206,6 +207,27 @@ def expert_groups(world_size: int, ep: int):
     return row, column
 
 
+def fully_shard_ep(model, copies, device_type: str = "cpu"):
+    """FSDP2 over a dp x ep layout, as torchtitan composes them: each block's experts sharded
+    over ``copies`` (its column: the ranks holding the same experts), everything else over every
+    rank. Every reduction is then a sum: each process must backpropagate its loss divided by the
+    world size, so that the sums give the gradient of the mean of every process's loss."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    everyone = DeviceMesh.from_group(dist.group.WORLD, device_type)
+    column = DeviceMesh.from_group(copies, device_type)
+    for block in model.blocks:
+        fully_shard(list(block.mlp.layer.experts), mesh=column)  # first: the block skips them
+        fully_shard(block, mesh=everyone)  # attention, layer norms, the router
+    fully_shard(model, mesh=everyone)  # embeddings, the last norm, the head
+    for module in model.modules():  # FSDP divides by its mesh's size unless told otherwise
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
 def split_parameters(model) -> tuple[list, list]:
     """(the parameters every rank holds, this rank's experts' parameters), told by name."""
     held, own = [], []
@@ -222,9 +244,12 @@ def renumber(name: str, first: int) -> str:
 
 
 def whole_state(model, group) -> dict:
-    """The state dict of one process holding every expert, gathered over ``group`` (collective)."""
+    """The state dict of one process holding every expert, gathered over ``group`` (collective;
+    a tensor sharded by FSDP is first gathered whole, over its own mesh)."""
     mine = [None] * dist.get_world_size(group)
-    dist.all_gather_object(mine, {k: v.cpu() for k, v in model.state_dict().items()}, group=group)
+    own = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu()
+           for k, v in model.state_dict().items()}
+    dist.all_gather_object(mine, own, group=group)
     per_rank = len(model.blocks[0].mlp.layer.experts)
     return {renumber(key, place * per_rank): value
             for place, state in enumerate(mine) for key, value in state.items()}

@@ -18,7 +18,10 @@ gloo/CPU ranks (and on nccl where GPUs are present):
   received back in the forward, and the same two the other way in the backward;
 - train_ep.py, expert parallel x data parallel: after a step every gradient a rank holds is the
   one-process gradient of the mean of the ranks' losses (capacity and auxiliary loss included),
-  and its fit trains what one process trains on the global batch.
+  and its fit trains what one process trains on the global batch;
+- experts x FSDP (moe.py's fully_shard_ep): the experts sharded over their column, the rest over
+  every rank, every reduction a sum and each loss divided by W, train what one process trains;
+  experts sharded over every rank instead become a patchwork of two experts, silently.
 
 Each task's tests are in its own file, test_11_1_route.py to test_11_5_sync_gradients.py
 (what they share is in common.py and conftest.py); this file checks the lesson's claims and its
@@ -478,3 +481,141 @@ def test_train_ep_refuses_a_degree_that_does_not_fit(outside_launcher, monkeypat
     err = capsys.readouterr().err
     assert f"train_ep.py: error: {said}" in err, err
     assert not dist.is_initialized()
+
+
+# ------------------------------------------ experts x FSDP: moe.py's fully_shard_ep, as torchtitan
+
+SGD_STEPS = {"rtol": 1e-4, "atol": 1e-6}  # plain SGD: a gradient off by a factor shows whole
+
+
+def one_process_steps(world: int, steps: int, batch: int, lr: float, aux_weight: float) -> dict:
+    """The oracle: the running example with every expert in one process, SGD on the mean of the
+    W batches' losses (each batch routed, capped and balanced on its own), step after step."""
+    dataset = CharDataset(16)
+    config = GPTConfig.named("tiny", vocab_size=dataset.vocab_size, block_size=16, n_layer=2)
+    alone = GPT(config, seed=0)
+    for i, block in enumerate(alone.blocks):
+        block.mlp = OneProcess(moe_module().MoE(config.n_embd, 4, 2, 1.25, seed=1 + i))
+    optimizer = torch.optim.SGD(alone.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        total, seen = 0.0, 0.0
+        for source in range(world):
+            first = (step * world + source) * batch
+            inputs, targets = (torch.stack(t) for t in zip(
+                *(dataset[i] for i in range(first, first + batch)), strict=True))
+            _, loss = run.next_char_loss(alone, inputs, targets)
+            total = total + loss + aux_weight * sum(b.mlp.aux for b in alone.blocks)
+            seen += loss.item()
+        optimizer.zero_grad()
+        (total / world).backward()
+        optimizer.step()
+        losses.append(seen / world)
+    return {"losses": losses, "state": {n: p.detach() for n, p in alone.named_parameters()}}
+
+
+def fsdp_ep_steps_on_rank(ctx, ep: int, steps: int, batch: int, lr: float,
+                          aux_weight: float) -> dict:
+    """train_ep.py's model sharded by moe.py's fully_shard_ep, SGD on this rank's batch of each
+    step with the loss divided by the world size (FSDP only sums). Returns the mean loss of each
+    step and every parameter gathered, the experts numbered as in one process."""
+    script, moe = train_ep_module(), moe_module()
+    dataset = CharDataset(16)
+    config = GPTConfig.named("tiny", vocab_size=dataset.vocab_size, block_size=16, n_layer=2)
+    row, column = moe.expert_groups(ctx.world_size, ep)
+    model = moe.fully_shard_ep(script.moe_gpt(config, 0, 4, 2, 1.25, row), column)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        first = (step * ctx.world_size + ctx.rank) * batch
+        inputs, targets = (torch.stack(t) for t in zip(
+            *(dataset[i] for i in range(first, first + batch)), strict=True))
+        _, loss = run.next_char_loss(model, inputs, targets)
+        aux = sum(block.mlp.aux for block in model.blocks)
+        optimizer.zero_grad()
+        ((loss + aux_weight * aux) / ctx.world_size).backward()
+        optimizer.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / ctx.world_size)
+    first = ctx.rank % ep * (4 // ep)  # this rank's experts, numbered as in one process
+    held = {moe.renumber(name, first): (p.to_local().numel(), p.device_mesh.size())
+            for name, p in model.named_parameters()}
+    return {"losses": losses, "state": moe.whole_state(model, row), "held": held}
+
+
+def test_experts_sharded_over_their_copies_train_what_one_process_trains():
+    """moe.py's fully_shard_ep on 4 gloo ranks, dp 2 × ep 2 (dense parameters sharded over all 4,
+    each rank's experts over the 2 that hold them, every reduction a sum, each loss divided by 4):
+    3 SGD steps give one process's losses and parameters, capacity and balancing loss included.
+
+    SGD, not AdamW: a gradient off by a constant factor (FSDP's default division left on, over 4
+    for the dense parameters or 2 for the experts) moves the parameters by that factor, where AdamW
+    would nearly hide it. Each rank holds about a quarter of the dense tensors and half of its own
+    experts', so about a quarter of the whole model."""
+    steps, batch, lr, aux_weight = 3, 4, 0.5, 0.01
+    want = one_process_steps(4, steps, batch, lr, aux_weight)
+    found = run_on_ranks(fsdp_ep_steps_on_rank, 2, steps, batch, lr, aux_weight, world_size=4)
+    for rank, got in enumerate(found):
+        assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                     f"the mean loss of each of {steps} steps, dp 2 x ep 2 under FSDP vs one "
+                     "process", rank, **SGD_STEPS)
+        assert sorted(got["state"]) == sorted(want["state"]), f"rank {rank}: gathered names"
+        assert_parameters_close(got["state"], want["state"], what=f"parameter after {steps} SGD "
+                                "steps, dp 2 x ep 2 under FSDP vs one process", rank=rank,
+                                **SGD_STEPS)
+        for name, (_, ranks) in got["held"].items():
+            over = 2 if ".experts." in name else 4
+            assert ranks == over, f"rank {rank}: {name} sharded over {ranks} ranks, not {over}"
+        whole = sum(p.numel() for p in want["state"].values())
+        mine = sum(numel for numel, _ in got["held"].values())
+        assert abs(mine - whole / 4) < 0.01 * whole, (
+            f"rank {rank} holds {mine} of {whole} numbers; expected about a quarter")
+
+
+def experts_over_everyone_run(ctx) -> dict:
+    """A dp 2 x ep 2 rank's first expert (expert 0 on ranks 0 and 2, expert 2 on 1 and 3),
+    sharded over all 4 ranks as if every rank held the same one; and a Linear sharded with FSDP's
+    default division over a column, backpropagating a loss of (rank + 1) times its sum."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    layer = moe_module().MoE(WIDTH, 4, 2, seed=3)
+    mine = layer.experts[ctx.rank % 2 * 2]  # the expert this rank holds in place 0
+    before = mine.up_proj.weight.detach().clone()
+    fully_shard(mine, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    gathered = mine.up_proj.weight.full_tensor().detach()
+    _, column = moe_module().expert_groups(4, 2)
+    probe = torch.nn.Linear(3, 1, bias=False)
+    fully_shard(probe, mesh=DeviceMesh.from_group(column, "cpu"))
+    (probe(torch.ones(1, 3)).sum() * (ctx.rank + 1)).backward()
+    summed = torch.nn.Linear(3, 1, bias=False)  # division off, the reduction left to FSDP
+    fully_shard(summed, mesh=DeviceMesh.from_group(column, "cpu")).set_gradient_divide_factor(1.0)
+    try:
+        summed(torch.ones(1, 3)).sum().backward()
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    return {"before": before, "gathered": gathered, "probe": probe.weight.grad.full_tensor(),
+            "refused": refused}
+
+
+def test_experts_sharded_over_everyone_mix_two_experts():
+    """fully_shard over all 4 gloo ranks of a dp 2 × ep 2 layout's own experts checks nothing:
+    each rank keeps its quarter of its own tensor, so every rank gathers one patchwork of experts 0
+    and 2. Over a column of 2, FSDP's gradient is the mean; with the division off, gloo refuses.
+
+    The quarters come from ranks 0, 1, 2, 3 in order: expert 0's rows, expert 2's, expert 0's,
+    expert 2's. The probe's gradient, loss (r + 1) x sum on rank r, is (1 + 3) / 2 on ranks 0 and 2
+    and (2 + 4) / 2 on ranks 1 and 3. A divide factor of 1.0 makes FSDP reduce-scatter with
+    PREMUL_SUM, which gloo does not have (so moe.py's fully_shard_ep forces a plain sum)."""
+    found = run_on_ranks(experts_over_everyone_run, world_size=4)
+    rows = found[0]["before"].shape[0] // 4
+    for rank, got in enumerate(found):
+        patchwork = torch.cat([found[r]["before"][r * rows:(r + 1) * rows] for r in range(4)])
+        assert torch.equal(got["gathered"], patchwork), (
+            f"rank {rank}: the gathered weight is not each rank's own quarter in rank order")
+        assert not torch.equal(got["gathered"], got["before"]), f"rank {rank}: no mixture"
+        want = torch.full((1, 3), (1 + 3) / 2 if rank % 2 == 0 else (2 + 4) / 2)
+        assert_close(got["probe"], want, "FSDP's default gradient over a column of 2", rank)
+        assert "PREMUL_SUM with Gloo" in got["refused"], f"rank {rank}: {got['refused']!r}"
