@@ -415,4 +415,70 @@ CLAIMS: list[Sourced] = [
             "torch 2.14.1",
             "float16 grouped_mm \"requires cuBLASLt grouped GEMM support\": a CUDA device, 1 to "
             "1024 groups, torch.version.cuda >= (13, 3) and compute capability 9 to 11"),
+    # lesson 10, torch's context_parallel in practice (its ring runs only on CUDA kernels)
+    Sourced("10_long_sequences", "the model's parameters are not buffers",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:context_parallel",
+            "torch 2.14.1 (the same in 2.11.0)",
+            "its docstring: \"Note that ``buffers`` should not contain any nn.Parameter\""),
+    Sourced("10_long_sequences", "On entry `context_parallel` clones every buffer it will restore, "
+            "then shards each in place; on exit it copies the clones back",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:context_parallel",
+            "torch 2.14.1 (the same in 2.11.0)",
+            "original_buffers = [None if b in no_restore_buffers else b.clone() ...] before the "
+            "shards are copied in with resize_ and copy_; after the yield each original is "
+            "copied back into its buffer"),
+    Sourced("10_long_sequences", "one all-gather brings every rank's keys and values, started "
+            "before the rank attends to its own block and waited for when the next block is needed",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:_AllGatherRotater",
+            "torch 2.14.1 (the same in 2.11.0)",
+            "exchange_buffers issues all_gather_single once (a functional collective, not waited "
+            "for); _templated_ring_attention calls it at step 0 before attending to its own "
+            "block, and next_buffer waits at step 1"),
+    Sourced("10_long_sequences", "instead passes a block to the next rank $W - 1$ times",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:_templated_ring_attention",
+            "torch 2.14.1 (the same in 2.11.0)",
+            "exchange_buffers runs for i < size - 1; _AllToAllRotater.exchange_buffers is "
+            "permute_tensor to rank + 1"),
+    Sourced("10_long_sequences", "the memory-efficient and cuDNN ones refuse an `attn_bias`, the "
+            "flash one has none",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:_scaled_dot_product_ring_efficient_attention",
+            "torch 2.14.1 (the same in 2.11.0)",
+            "it and _scaled_dot_product_ring_cudnn_attention raise NotImplementedError(\"attn_bias "
+            "is not supported yet\"); _scaled_dot_product_ring_flash_attention takes no mask"),
+    Sourced("10_long_sequences", "torch's FlexAttention path shards a `BlockMask` instead",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:_context_parallel_shard",
+            "torch 2.14.1 (the same in 2.11.0)",
+            "\"Buffers can be either tensors or `BlockMask` objects\"; _context_parallel_buffers "
+            "shards a BlockMask for flex_attention's context parallel"),
+    Sourced("11_mixture_of_experts", "composes them as torchtitan does (whose mesh calls the "
+            "experts' dimension `efsdp`)",
+            "repo: pytorch/torchtitan torchtitan/distributed/fsdp.py, apply_fsdp_to_decoder and "
+            "resolve_sparse_fsdp_mesh (commit b5bcd76); torchtitan/models/llama4/parallelize.py, "
+            "apply_fsdp, at 18a46d427's parent",
+            "torchtitan commit b5bcd76 (and 18a46d427^)",
+            "routed experts are sharded over edp_mesh, whose FSDP axis is \"efsdp\", the block's "
+            "other parameters over dp_mesh, then fully_shard(model); before 18a46d427 as two "
+            "calls, fully_shard(transformer_block.moe.experts, mesh=edp_mesh) then "
+            "fully_shard(transformer_block, mesh=dp_mesh)"),
+    Sourced("11_mixture_of_experts",
+            "Until March 2026 torchtitan wrote it as `fully_shard_ep` does",
+            "repo: pytorch/torchtitan commit 18a46d427 (pull request 2281, \"[FSDP2] enable "
+            "per-param mesh FSDP2 for MoE\", 26 March 2026), "
+            "torchtitan/models/llama4/parallelize.py",
+            "torchtitan commit 18a46d427",
+            "replaces the experts' own fully_shard over edp_mesh with one fully_shard(block) whose "
+            "shard_placement_fn returns ShardPlacementResult(placement, mesh_info) per parameter: "
+            "edp_mesh for the experts, dp_mesh for the rest"),
+    Sourced("11_mixture_of_experts", "FSDP2's per-parameter mesh, which torch 2.14 has",
+            "torch:distributed/fsdp/_fully_shard/_fsdp_common.py:ShardPlacementResult",
+            "torch 2.14.1",
+            "a dataclass of placement and mesh_info that a shard_placement_fn may return for a "
+            "parameter, so that it is sharded over its own mesh"),
+    Sourced("11_mixture_of_experts", "has `dp_shard * cp * tp / ep` ranks",
+            "repo: pytorch/torchtitan torchtitan/config/configs.py, ParallelismConfig."
+            "expert_parallel_degree; torchtitan/distributed/parallel_dims.py (commit b5bcd76)",
+            "torchtitan commit b5bcd76",
+            "\"EP borrows ranks from FSDP and TP: efsdp = dp_shard * cp * tp / ep\"; "
+            "parallel_dims: \"efsdp: FSDP in the EP region\", the sparse mesh "
+            "(pp, dp_replicate, efsdp, ep)"),
 ]

@@ -2056,7 +2056,10 @@ def _context_parallel_modules():
 
 def test_context_parallel_handles_only_sdpas_cuda_kernels():
     """Lesson 10: "its dispatch table lists the flash, memory-efficient and cuDNN attention
-    operators and their backwards, and none of SDPA's CPU kernels"."""
+    operators and their backwards, and none of SDPA's CPU kernels"; ring_attention.py --torch-cp
+    refuses to start without CUDA: "torch's context_parallel attends across ranks only inside
+    SDPA's flash, memory-efficient and cuDNN CUDA kernels, and its dispatch table has none of
+    SDPA's CPU kernels"."""
     from torch.distributed.tensor.experimental import context_parallel  # the public name
 
     assert callable(context_parallel)
@@ -2196,6 +2199,75 @@ def test_context_parallels_balanced_ring_refuses_attention_without_is_causal():
     source = inspect.getsource(attention._templated_ring_attention)
     assert "if not is_causal and _cp_options.enable_load_balance:" in source
     assert "Load balancing requires `is_causal=True`." in source
+
+
+def cp_buffers_on_this_rank(ctx):
+    """What ``context_parallel`` does to its buffers on this rank, on a CPU mesh (no attention is
+    called, so no CUDA kernel is needed): inside, after, with the balancer off, and after an
+    error inside the block."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import (
+        _attention,  # the name the lesson gives
+        context_parallel,
+    )
+
+    sdpa = F.scaled_dot_product_attention
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("cp",))
+    kept, dropped = torch.arange(8), torch.arange(8)
+    with context_parallel(mesh["cp"], buffers=[kept, dropped], buffer_seq_dims=[0, 0],
+                          no_restore_buffers={dropped}):
+        inside = kept.tolist()
+    found = {"inside": inside, "kept": kept.tolist(), "dropped": dropped.tolist()}
+    balancing = _attention._cp_options.enable_load_balance
+    _attention._cp_options.enable_load_balance = False
+    try:
+        kept = torch.arange(8)
+        with context_parallel(mesh["cp"], buffers=[kept], buffer_seq_dims=[0]):
+            found["unbalanced"] = kept.tolist()
+    finally:
+        _attention._cp_options.enable_load_balance = balancing
+    kept = torch.arange(8)
+    with pytest.raises(KeyError), context_parallel(mesh["cp"], buffers=[kept],
+                                                   buffer_seq_dims=[0]):
+        raise KeyError("an error inside the block")
+    found["after an error"] = (kept.tolist(), F.scaled_dot_product_attention is sdpa)
+    F.scaled_dot_product_attention = sdpa  # torch 2.11 leaves its patch in place
+    return found
+
+
+def test_context_parallel_shards_its_buffers_and_restores_only_the_others():
+    """Lesson 10: on entry `context_parallel` shards `buffers` in place (head-tail, 8 tokens on 2
+    gloo ranks: 0, 1, 6, 7 and 2 to 5); on exit it restores them, except `no_restore_buffers`,
+    which stay sharded; with `torch.distributed.tensor.experimental._attention._cp_options
+    .enable_load_balance = False` set before, contiguous blocks. "Torch 2.11 does not undo its
+    patch of SDPA, nor restore the buffers, when the block raises; 2.14 does." """
+    for rank, got in enumerate(run_on_ranks(cp_buffers_on_this_rank, world_size=2)):
+        mine = [[0, 1, 6, 7], [2, 3, 4, 5]][rank]
+        assert got["inside"] == mine and got["dropped"] == mine, got
+        assert got["kept"] == list(range(8)), got
+        assert got["unbalanced"] == [[0, 1, 2, 3], [4, 5, 6, 7]][rank], got
+        if torch.torch_version.TorchVersion(torch.__version__) < "2.12":
+            assert got["after an error"] == (mine, False), got  # no try/finally round its yield
+        elif not older_than_2_14() or got["after an error"] != (mine, False):
+            assert got["after an error"] == (list(range(8)), True), got
+
+
+def test_context_parallel_balances_packed_documents_only_with_a_per_document_balancer():
+    """Lesson 10: "torch 2.14's private `_PerDocumentHeadTailLoadBalancer` does [split each
+    document head-tail on its own], and asserts (2.11's too) that each document's length divides
+    by 2W"; the default balancer knows only the sequence's length. Documents of 4 and 12 tokens,
+    2 ranks: rank 0 holds chunks 0 and 3 of each."""
+    _, balancers = _context_parallel_modules()
+    make = balancers._PerDocumentHeadTailLoadBalancer
+    indices = make([[4, 12]], 2, "cpu")._generate_indices().flatten().tolist()
+    assert sorted(indices) == list(range(16))
+    if not older_than_2_14():  # 2.11 orders the indices document by document
+        assert indices[:8] == [0, 3, 4, 5, 6, 13, 14, 15], indices
+    with pytest.raises(AssertionError):
+        make([[6, 10]], 2, "cpu")._generate_indices()  # 6 does not cut into 4 chunks
+    assert list(inspect.signature(balancers._create_default_load_balancer).parameters) == [
+        "seq_length", "world_size", "device"]
 
 
 def _linear_checkpointed(**options):
