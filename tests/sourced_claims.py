@@ -431,7 +431,8 @@ CLAIMS: list[Sourced] = [
             "before the rank attends to its own block and waited for when the next block is needed",
             "torch:distributed/tensor/experimental/_context_parallel/_attention.py:_AllGatherRotater",
             "torch 2.14.1 (the same in 2.11.0)",
-            "exchange_buffers issues all_gather_single once (a functional collective, not waited "
+            "exchange_buffers issues all_gather_single (all_gather_tensor in 2.11.0) once (a "
+            "functional collective, not waited "
             "for); _templated_ring_attention calls it at step 0 before attending to its own "
             "block, and next_buffer waits at step 1"),
     Sourced("10_long_sequences", "instead passes a block to the next rank $W - 1$ times",
@@ -450,8 +451,16 @@ CLAIMS: list[Sourced] = [
             "torch 2.14.1 (the same in 2.11.0)",
             "\"Buffers can be either tensors or `BlockMask` objects\"; _context_parallel_buffers "
             "shards a BlockMask for flex_attention's context parallel"),
-    Sourced("11_mixture_of_experts", "composes them as torchtitan does (whose mesh calls the "
-            "experts' dimension `efsdp`)",
+    Sourced("10_long_sequences", "torch's ring merges that with the output as it is",
+            "torch:distributed/tensor/experimental/_context_parallel/_attention.py:"
+            "_SDPAMerger._merge_one",
+            "torch 2.14.1 (the same in 2.11.0)",
+            "the block's log-sum-exp is unsqueezed and merged with the running one by "
+            "out - sigmoid(block_lse - lse) * (out - block_out), with no slice to the output's "
+            "rows; _templated_ring_attention passes the kernel's logsumexp to it unchanged"),
+    Sourced("11_mixture_of_experts", "composes them as torchtitan did until March 2026 (the "
+            "same layout, now written in one call: below; its mesh calls the experts' dimension "
+            "`efsdp`)",
             "repo: pytorch/torchtitan torchtitan/distributed/fsdp.py, apply_fsdp_to_decoder and "
             "resolve_sparse_fsdp_mesh (commit b5bcd76); torchtitan/models/llama4/parallelize.py, "
             "apply_fsdp, at 18a46d427's parent",

@@ -2256,14 +2256,17 @@ def test_context_parallel_shards_its_buffers_and_restores_only_the_others():
 def test_context_parallel_balances_packed_documents_only_with_a_per_document_balancer():
     """Lesson 10: "torch 2.14's private `_PerDocumentHeadTailLoadBalancer` does [split each
     document head-tail on its own], and asserts (2.11's too) that each document's length divides
-    by 2W"; the default balancer knows only the sequence's length. Documents of 4 and 12 tokens,
-    2 ranks: rank 0 holds chunks 0 and 3 of each."""
+    by 2W"; "2.11's orders its indices document by document, so the contiguous cut falls
+    mid-document". The default balancer knows only the sequence's length. Documents of 4 and 12
+    tokens, 2 ranks: on 2.14 rank 0 holds chunks 0 and 3 of each."""
     _, balancers = _context_parallel_modules()
     make = balancers._PerDocumentHeadTailLoadBalancer
     indices = make([[4, 12]], 2, "cpu")._generate_indices().flatten().tolist()
     assert sorted(indices) == list(range(16))
-    if not older_than_2_14():  # 2.11 orders the indices document by document
+    if not older_than_2_14():
         assert indices[:8] == [0, 3, 4, 5, 6, 13, 14, 15], indices
+    else:  # document by document: rank 0's cut takes all of the first and part of the second
+        assert indices[:8] == [0, 3, 1, 2, 4, 5, 6, 13], indices
     with pytest.raises(AssertionError):
         make([[6, 10]], 2, "cpu")._generate_indices()  # 6 does not cut into 4 chunks
     assert list(inspect.signature(balancers._create_default_load_balancer).parameters) == [
@@ -2643,3 +2646,15 @@ def test_grouped_mm_on_the_cpu_takes_these_dtypes_and_rows():
         both(torch.float32, columns=6)
     with pytest.raises(RuntimeError, match="int32"):
         grouped_mm(torch.randn(9, 8), torch.randn(4, 8, 8), offs=offs.long())
+
+
+def test_the_memory_efficient_kernel_pads_its_log_sum_exp_to_32_rows():
+    """10 README: "on CUDA the memory-efficient kernel pads the log-sum-exp it returns to a
+    multiple of 32 rows" (asked of its meta registration, which mirrors the CUDA kernel's shapes:
+    16 and 40 queries give 32 and 64 rows)."""
+    for rows, padded in ((16, 32), (40, 64), (64, 64)):
+        q = torch.empty(1, 2, rows, 8, device="meta")
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, q, q, None, True)
+        assert tuple(out.shape) == (1, 2, rows, 8) and tuple(lse.shape) == (1, 2, padded), (
+            rows, lse.shape)

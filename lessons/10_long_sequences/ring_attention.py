@@ -270,6 +270,11 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         return run.refuse(__file__, f"--length {args.length} does not split into 2 x {world} "
                                     f"equal chunks (zig-zag); pad the sequence or change it")
+    if args.torch_cp and args.length % (64 * world):  # each rank's half-chunk: 32k rows
+        dist.destroy_process_group()
+        return run.refuse(__file__, f"--torch-cp needs --length a multiple of 64 x {world}: the "
+                          "memory-efficient kernel pads its log-sum-exp to a multiple of 32 rows "
+                          "and torch's ring merges it as it is")
     torch.set_num_threads(args.threads)
     log = run.rank_zero_log(rank)
     generator = torch.Generator().manual_seed(args.seed)  # every rank: the same sequence

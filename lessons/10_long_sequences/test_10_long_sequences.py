@@ -323,12 +323,13 @@ def test_script_refuses_torch_cp_without_cuda(ring_script, capsys, monkeypatch, 
                                                id=f"cp{n}") for n in (1, 2)])
 def test_script_runs_torchs_context_parallel_on_gpus(gpus):
     """ring_attention.py `--torch-cp` under torchrun on 1 and 2 GPUs (nccl: one GPU per rank, so 2
-    ranks need 2 GPUs), 32 tokens: torch's context_parallel around SDPA's memory-efficient kernel
+    ranks need 2 GPUs), 128 tokens: torch's context_parallel around SDPA's memory-efficient kernel
     gives the output and gradients of that kernel on the whole sequence to 1e-4, each rank holding
     chunks r and 2W - 1 - r.
 
     Not yet run on a GPU."""
-    launch = run_script(SCRIPT, *SCRIPT_ARGS, "--torch-cp", launcher="torchrun", nproc=gpus)
+    launch = run_script(SCRIPT, *SCRIPT_ARGS, "--length", "128", "--torch-cp",
+                        launcher="torchrun", nproc=gpus)
     found = launch.data["torch_context_parallel"]
     assert max(found["max_error"].values()) < 1e-4, found["max_error"]
     assert found["positions_per_rank"] == [p.tolist() for p in split_positions(
@@ -534,7 +535,9 @@ def torch_context_parallel_run(ctx):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     mesh = init_device_mesh("cuda", (ctx.world_size,), mesh_dim_names=("cp",))
-    length = 32 * ctx.world_size  # 2W chunks of 16: the head-tail split applies
+    # 2W chunks of 32: the head-tail split applies, and each chunk is a multiple of the 32 rows
+    # the memory-efficient kernel pads its log-sum-exp to (torch's ring merges it unpadded).
+    length = 64 * ctx.world_size
     q, k, v = (seeded(i, 2, 4, length, 16, dtype=torch.float32).cuda() for i in range(3))
     c = seeded(10, 2, 4, length, 16, dtype=torch.float32).cuda()
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
