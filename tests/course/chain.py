@@ -131,8 +131,8 @@ def stale(step: Step) -> str | None:
 
 def write(step: Step) -> bool:
     """Put the current diff into the README's marked block; True when the file changed."""
-    if (why := stale(step)) and "no chain-diff block" in why:
-        raise SystemExit(why)
+    if step.name not in MARKED.shown(step.readme.read_text(encoding="utf-8")):
+        raise SystemExit(stale(step))
     return MARKED.replace(step.readme, step.name, block(step))
 
 

@@ -133,8 +133,8 @@ def shown(lesson: Lesson) -> str | None:
     return MARKED.shown(readme(lesson).read_text(encoding="utf-8")).get(lesson.folder)
 
 
-def problems(lesson: Lesson, tests: list[Test]) -> list[str]:
-    """Why the README's list is not what the tests say, or why it cannot be made."""
+def docstring_problems(tests: list[Test]) -> list[str]:
+    """The tests whose summary the list cannot show: none, or one too long for a line."""
     found = []
     for test in tests:
         if not test.summary:
@@ -143,19 +143,29 @@ def problems(lesson: Lesson, tests: list[Test]) -> list[str]:
             found.append(f"{test.where}: the docstring's first paragraph is {len(test.summary)} "
                          f"characters; say what it proves in at most {MAX_SUMMARY}, and put the "
                          "rest after a blank line")
+    return found
+
+
+def _no_list(lesson: Lesson) -> str:
+    return MARKED.missing(f"lessons/{lesson.folder}/README.md", lesson.folder,
+                          'under its heading "What the tests prove"')
+
+
+def problems(lesson: Lesson, tests: list[Test]) -> list[str]:
+    """Why the README's list is not what the tests say, or why it cannot be made."""
+    found = docstring_problems(tests)
     current = shown(lesson)
-    where = f"lessons/{lesson.folder}/README.md"
     if current is None:
-        found.append(MARKED.missing(where, lesson.folder,
-                                    'under its heading "What the tests prove"'))
+        found.append(_no_list(lesson))
     elif not found and current != block(lesson, tests):
-        found.append(f"{where} lists its tests as they were: run `{MARKED.command}`")
+        found.append(f"lessons/{lesson.folder}/README.md lists its tests as they were: run "
+                     f"`{MARKED.command}`")
     return found
 
 
 def write(lesson: Lesson, tests: list[Test]) -> bool:
     if shown(lesson) is None:
-        raise SystemExit(problems(lesson, tests)[-1])
+        raise SystemExit(_no_list(lesson))
     return MARKED.replace(readme(lesson), lesson.folder, block(lesson, tests))
 
 
@@ -180,7 +190,7 @@ def main(argv=None) -> int:
         print(f"| {lesson.folder} | {len(tests)} | {tasked} | {len(tests) - tasked} | {bare} |")
     if args.write:
         for lesson in lessons:
-            if not [p for p in problems(lesson, found[lesson.folder]) if "docstring" in p]:
+            if not docstring_problems(found[lesson.folder]):
                 if write(lesson, found[lesson.folder]):
                     print(f"updated the list of tests in lessons/{lesson.folder}/README.md")
     if args.check or args.write:
