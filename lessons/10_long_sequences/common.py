@@ -84,6 +84,18 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+def as_one_failure(check, *args) -> None:
+    """Run ``check(*args)``; re-raise its AssertionError from one line, with no context, so that
+    hypothesis reports a sweep's failure once rather than one per assertion line it met."""
+    failure = None
+    try:
+        check(*args)
+    except AssertionError as error:
+        failure = str(error)
+    if failure:
+        raise AssertionError(failure)
+
+
 # The first dispatch mode a process enters costs it about 1.5 s (torch imports what
 # TorchDispatchMode needs then). Paid once here, at collection: the rank processes forked later
 # inherit it instead of each paying it again.

@@ -18,7 +18,7 @@ from harness.compare import assert_close
 from harness.exercises import load_exercise, raise_if_untouched
 from harness.ranks import run_on_ranks
 from harness.sweep import st, sweep
-from lesson10.common import LESSON, TIGHT, seeded
+from lesson10.common import LESSON, TIGHT, as_one_failure, seeded
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
 # (tests/test_course.py checks the names).
@@ -251,13 +251,7 @@ def test_ulysses_attention_equals_attention_over_the_whole_sequence(ex, world, b
     heads = heads_per_rank * world
     results = run_on_ranks(ulysses_run, batch, heads, tokens, head_dim, causal,
                            world_size=world)
-    failure = None
-    try:
-        check_ulysses(results, batch, heads, tokens, head_dim, causal, world)
-    except AssertionError as error:
-        failure = str(error)
-    if failure:  # raised from one line, with no context: hypothesis reports one failure
-        raise AssertionError(failure)
+    as_one_failure(check_ulysses, results, batch, heads, tokens, head_dim, causal, world)
 
 
 @pytest.mark.task10_6

@@ -17,7 +17,7 @@ from harness.compare import assert_close
 from harness.exercises import load_exercise, raise_if_untouched
 from harness.ranks import run_on_ranks
 from harness.sweep import st, sweep
-from lesson10.common import LESSON, TIGHT, seeded
+from lesson10.common import LESSON, TIGHT, as_one_failure, seeded
 
 # The task's contract, clause by clause, and the tests that fail when only that clause is broken
 # (tests/test_course.py checks the names).
@@ -175,13 +175,7 @@ def test_token_mean_loss_is_the_mean_over_every_ranks_real_tokens(ex, world, tok
     if not sum(counts):
         counts[0] = 1  # at least one real token: one process's mean is NaN otherwise
     results = run_on_ranks(loss_run, counts, ignore_index, tokens, world_size=world)
-    failure = None
-    try:
-        check_mean(results, world, tokens, counts, ignore_index)
-    except AssertionError as error:
-        failure = str(error)
-    if failure:  # raised from one line, with no context: hypothesis reports one failure
-        raise AssertionError(failure)
+    as_one_failure(check_mean, results, world, tokens, counts, ignore_index)
 
 
 
